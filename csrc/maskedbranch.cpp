@@ -1,9 +1,14 @@
 // Op schemas of the maskedbranch library and the Python module entry point.
 // Every op lives in the `maskedbranch` namespace; kernels register per backend in
 // csrc/cpu/*.cpp and csrc/cuda/*.cu, autograd and fake kernels in maskedbranch/_ops.py.
+// MASKEDBRANCH_NO_PYTHON: a plain libtorch library (the CMake build), without the Python entry point.
+#ifndef MASKEDBRANCH_NO_PYTHON
 #include <Python.h>
+#endif
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
+#ifndef MASKEDBRANCH_NO_PYTHON
 extern "C" {
 // The extension only registers ops, but setuptools builds it as a Python module, which
 // needs an init function. Importing it runs the static TORCH_LIBRARY initializers.
@@ -18,6 +23,7 @@ PyObject* PyInit__C(void) {
   return module;
 }
 }
+#endif  // MASKEDBRANCH_NO_PYTHON
 
 TORCH_LIBRARY(maskedbranch, m) {
   // gate -> routing plan. `offsets` [N+1] always lives on the host (a device gate costs one
@@ -45,6 +51,15 @@ TORCH_LIBRARY(maskedbranch, m) {
   m.def("anchor(Tensor(a) x, Tensor[] params, bool materialize) -> Tensor(a)");
   // One batched zero-fill: zeros shaped like each tensor.
   m.def("zeros_like_all(Tensor[] tensors) -> Tensor[]");
+}
+
+// The backward ops and the plan have no derivative of their own (double backward is not
+// supported): differentiating through them raises instead of silently giving zeros.
+TORCH_LIBRARY_IMPL(maskedbranch, Autograd, m) {
+  for (const char* name : {"plan", "gather_backward", "combine_backward_ys", "combine_backward_weights",
+                           "zeros_like_all"}) {
+    m.impl(name, torch::autograd::autogradNotImplementedFallback());
+  }
 }
 
 #ifndef MASKEDBRANCH_WITH_CUDA

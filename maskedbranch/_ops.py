@@ -152,6 +152,13 @@ def _row_format(t: Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
+def _check_devices(ref_name: str, ref: Tensor, **others) -> None:
+    """Mixed devices, as the C++ kernels report them (these fake kernels also answer meta)."""
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name}: expected a tensor on {ref.device} like {ref_name}, got one on {t.device}")
+
+
 def _empty_rows(rows, trailing, like: Tensor, fmt: torch.memory_format, dtype=None) -> Tensor:
     sizes = (rows, *trailing)
     if (fmt == torch.channels_last and len(sizes) != 4) or (fmt == torch.channels_last_3d and len(sizes) != 5):
@@ -174,6 +181,7 @@ def _plan_fake(gate, num_branches):
 
 @torch.library.register_fake("maskedbranch::gather")
 def _gather_fake(x, rows, row_offsets, row_pos):
+    _check_devices("x", x, rows=rows, row_offsets=row_offsets, row_pos=row_pos)
     return _empty_rows(rows.shape[0], x.shape[1:], x, _row_format(x))
 
 
@@ -185,6 +193,9 @@ def _gather_backward_fake(grad, row_offsets, row_pos):
 @torch.library.register_fake("maskedbranch::combine")
 def _combine_fake(base, ys, weights, rows, row_offsets, row_branch, row_pos):
     ref = base if base is not None else ys[0]
+    ref_name = "base" if base is not None else "ys[0]"
+    _check_devices(ref_name, ref, weights=weights, rows=rows, row_offsets=row_offsets, row_branch=row_branch)
+    _check_devices(ref_name, ref, **{f"ys[{i}]": y for i, y in enumerate(ys)})
     return _empty_rows(row_offsets.shape[0] - 1, ref.shape[1:], ref, _row_format(ref))
 
 
@@ -200,6 +211,7 @@ def _combine_backward_weights_fake(grad, ys, row_offsets, row_branch, row_pos, d
 
 @torch.library.register_fake("maskedbranch::drop_path_scale")
 def _drop_path_scale_fake(base, y, scale):
+    _check_devices("y", y, base=base, scale=scale)
     return _empty_rows(y.shape[0], y.shape[1:], y, _row_format(y))
 
 
