@@ -1,0 +1,33 @@
+"""pytest plugin used by scripts/test.sh (`-p pytest_check_installed`).
+
+The test runs must exercise the build installed into the virtual environment, not the source
+tree's maskedbranch/ package (which has no compiled _C, or one from another environment).
+After collection this prints where maskedbranch was imported from and stops the session unless
+it lies in the environment's site-packages and, when MASKEDBRANCH_EXPECT_WITH_CUDA is set,
+was built with (1) or without (0) CUDA kernels.
+"""
+import os
+import sysconfig
+
+import pytest
+
+
+def _site_dirs():
+    paths = sysconfig.get_paths()
+    return {os.path.realpath(paths[key]) for key in ("purelib", "platlib")}
+
+
+def pytest_collection_finish(session):
+    import maskedbranch
+    import maskedbranch._C as C
+
+    where = os.path.realpath(os.path.dirname(maskedbranch.__file__))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    line = f"maskedbranch from {where} (_C.WITH_CUDA={C.WITH_CUDA})"
+    if reporter is not None:
+        reporter.write_line(line)
+    if os.path.dirname(where) not in _site_dirs():
+        pytest.exit(f"{line}: not the installed build (expected it under {sorted(_site_dirs())})", returncode=3)
+    want = os.environ.get("MASKEDBRANCH_EXPECT_WITH_CUDA")
+    if want is not None and int(want) != C.WITH_CUDA:
+        pytest.exit(f"{line}: expected WITH_CUDA={want}", returncode=3)

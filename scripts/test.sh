@@ -1,0 +1,244 @@
+#!/usr/bin/env bash
+# The project's test command: sets everything up on a fresh machine, then
+#   (a) builds the extension with its CUDA kernels (CUDA build of torch, .venv-cuda), checks with
+#       cuobjdump that device code for every requested architecture is in it, and runs the whole
+#       pytest suite (on the CPU unless a GPU is visible);
+#   (b) builds the CMake/libtorch library and runs its C++ test with ctest;
+#   (c) builds the CPU-only variant (CPU-only torch, .venv-cpu) and runs the op tests there.
+# Every part runs even when an earlier one fails; the exit status is non-zero if any failed.
+#
+# Knobs (environment):
+#   MASKEDBRANCH_PARTS="a b c"      parts to run
+#   TORCH_CUDA_ARCH_LIST            GPU architectures for (a) and (b); default "8.0;9.0+PTX"
+#   MAX_JOBS                        parallel compile jobs; default: the number of cores
+#   MASKEDBRANCH_CMAKE_CUDA=0|1     compile the CUDA kernels in the CMake build too (default 1
+#                                   when a CUDA toolkit is found)
+#   MASKEDBRANCH_VENV_CUDA / MASKEDBRANCH_VENV_CPU   virtual environments to create or reuse
+#                                   (default .venv-cuda / .venv-cpu in the repository)
+#   PYTHON                          interpreter used to create the environments (default python3)
+#   PYTEST_ARGS                     extra pytest arguments, e.g. "-x -k combine"
+#
+# Tests import the *installed* build (a non-editable install into each environment, so the two
+# builds never overwrite each other). To rerun one file by hand, from the repository root:
+#   .venv-cuda/bin/pytest tests/test_ops.py      or      .venv-cpu/bin/pytest tests/test_ops.py
+# (the `pytest` entry point does not put the working directory on sys.path, so the source
+# tree's maskedbranch/ package, which holds no compiled _C, does not shadow the installed one).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+PARTS=${MASKEDBRANCH_PARTS:-"a b c"}
+PYTHON=${PYTHON:-python3}
+VENV_CUDA=${MASKEDBRANCH_VENV_CUDA:-$ROOT/.venv-cuda}
+VENV_CPU=${MASKEDBRANCH_VENV_CPU:-$ROOT/.venv-cpu}
+ARCHS=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0+PTX"}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+TORCH_CUDA_SPEC="torch==2.14.1"          # a CUDA 13.0 build
+TORCH_CPU_SPEC="torch==2.13.0"           # a CPU-only build
+TEST_DEPS=(numpy pytest hypothesis expecttest ninja)
+CMAKE_BUILD_DIR=$ROOT/cmake-build
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+banner() { printf '\n======== %s ========\n' "$*"; }
+note() { printf -- '-- %s\n' "$*"; }
+
+# The real CUDA toolkit (the nvcc on PATH may be a wrapper script that runs one elsewhere).
+find_cuda_home() {
+  local c nvcc p
+  for c in "${CUDA_HOME:-}" "${CUDA_PATH:-}"; do
+    if [[ -n $c && -x $c/bin/nvcc ]]; then echo "$c"; return 0; fi
+  done
+  nvcc=$(command -v nvcc || true)
+  if [[ -n $nvcc ]]; then
+    if [[ $(head -c 2 "$nvcc") == '#!' ]]; then
+      for p in $(head -c 4096 "$nvcc" | grep -o "[^[:space:]\"']*/bin/nvcc"); do
+        if [[ -x $p ]]; then dirname "$(dirname "$p")"; return 0; fi
+      done
+    else
+      dirname "$(dirname "$(readlink -f "$nvcc")")"; return 0
+    fi
+  fi
+  for c in $(ls -d /usr/local/cuda* 2>/dev/null | sort -r); do
+    if [[ -x $c/bin/nvcc ]]; then echo "$c"; return 0; fi
+  done
+  return 1
+}
+
+# ensure_venv DIR PACKAGE... : create DIR if needed (or if broken), then install what is missing.
+ensure_venv() {
+  local dir=$1; shift
+  if [[ -x $dir/bin/python ]] && "$dir/bin/python" -c 'import sys' 2>/dev/null; then
+    note "reusing $dir"
+  else
+    note "creating $dir"
+    rm -rf "$dir"
+    "$PYTHON" -m venv "$dir" || return 1
+  fi
+  "$dir/bin/python" -m pip install -q "setuptools>=64" wheel "$@" || return 1
+  "$dir/bin/python" -c 'import sys, torch; print(f"-- python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), GPU visible: {torch.cuda.is_available()}")'
+}
+
+# install_package VENV LOG [ENV=VALUE...] : non-editable build and install of this repository.
+# Each environment has its own setuptools build folder, so the CUDA and CPU builds both stay
+# incremental (ninja) and never mix objects.
+install_package() {
+  local venv=$1 log=$2; shift 2
+  local cfg=$venv/maskedbranch-build.cfg
+  printf '[build]\nbuild_base = %s\n' "$venv/build" > "$cfg"
+  note "building and installing maskedbranch (log: $log)"
+  if ! env DIST_EXTRA_CONFIG="$cfg" "$@" "$venv/bin/python" -m pip install -v --no-deps \
+      --no-build-isolation "$ROOT" > "$log" 2>&1; then
+    echo "!! build failed; last lines of $log:"
+    tail -n 80 "$log"
+    return 1
+  fi
+  # What the build says about itself (setup.py prints the kernels it builds).
+  grep -E '^ *maskedbranch:' "$log" | sed 's/^ */   /' | sort -u
+  grep -cE '^\[[0-9]+/[0-9]+\]' "$log" | xargs printf -- '-- %s compile steps ran (ninja)\n'
+}
+
+# show_install VENV EXPECTED_WITH_CUDA : print where maskedbranch is imported from; fail unless
+# it is the installed build with the expected kind of kernels.
+show_install() {
+  local venv=$1 want=$2
+  (cd / && "$venv/bin/python" - "$want" <<'EOF'
+import os, sys, sysconfig
+import torch, maskedbranch, maskedbranch._C as C
+want = int(sys.argv[1])
+print(f"-- maskedbranch.__file__ = {maskedbranch.__file__}")
+print(f"-- maskedbranch._C = {C.__file__}")
+print(f"-- maskedbranch._C.WITH_CUDA = {C.WITH_CUDA} (expected {want})")
+sys.exit(0 if C.WITH_CUDA == want else 1)
+EOF
+  )
+}
+
+# check_device_code SO : cuobjdump must list device code for every architecture in $ARCHS.
+check_device_code() {
+  local so=$1 cuobjdump=$CUDA_HOME_FOUND/bin/cuobjdump elf ptx arch missing=0
+  [[ -x $cuobjdump ]] || { echo "!! $cuobjdump not found"; return 1; }
+  elf=$("$cuobjdump" --list-elf "$so" 2>&1)
+  ptx=$("$cuobjdump" --list-ptx "$so" 2>&1)
+  note "cuobjdump --list-elf $(basename "$so"):"
+  echo "$elf" | sed 's/^/   /'
+  note "cuobjdump --list-ptx $(basename "$so"):"
+  echo "$ptx" | sed 's/^/   /'
+  for arch in ${ARCHS//;/ }; do
+    local base=${arch%+PTX} sm
+    sm="sm_${base//./}"
+    if grep -q "\.${sm}\.cubin" <<<"$elf"; then
+      note "device code for ${sm}: present ($(grep -c "\.${sm}\.cubin" <<<"$elf") cubins)"
+    else
+      echo "!! no device code (cubin) for ${sm} in $so"; missing=1
+    fi
+    if [[ $arch == *+PTX ]]; then
+      if grep -q "\.${sm}\.ptx" <<<"$ptx"; then
+        note "PTX for ${sm}: present"
+      else
+        echo "!! no PTX for ${sm} in $so"; missing=1
+      fi
+    fi
+  done
+  return $missing
+}
+
+# run_pytest VENV EXPECTED_WITH_CUDA PATHS... : pytest from the repository root, importing the
+# installed build (checked by scripts/pytest_check_installed.py). Exit 5 (no tests) fails too.
+run_pytest() {
+  local venv=$1 want=$2 rc; shift 2
+  note "pytest $*"
+  # shellcheck disable=SC2086
+  PYTHONPATH="$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}" MASKEDBRANCH_EXPECT_WITH_CUDA=$want \
+    "$venv/bin/pytest" -q -p no:cacheprovider -p pytest_check_installed --import-mode=append \
+    ${PYTEST_ARGS:-} "$@"
+  rc=$?
+  if [[ $rc -eq 5 ]]; then echo "!! pytest collected no tests"; fi
+  return $rc
+}
+
+part_a() {
+  banner "Part (a): CUDA build (torch 2.14.1, archs $ARCHS) + full pytest suite"
+  ensure_venv "$VENV_CUDA" "$TORCH_CUDA_SPEC" "${TEST_DEPS[@]}" matplotlib tqdm || return 1
+  # Optional extras the tests and benchmarks use when present.
+  if ! "$VENV_CUDA/bin/python" -m pip install -q "$TORCH_CUDA_SPEC" "torchvision==0.29.1" timm; then
+    note "timm / torchvision could not be installed; tests that need them will skip"
+  fi
+  CUDA_HOME_FOUND=$(find_cuda_home) || { echo "!! no CUDA toolkit (nvcc) found"; return 1; }
+  note "CUDA toolkit: $CUDA_HOME_FOUND ($("$CUDA_HOME_FOUND/bin/nvcc" --version | grep -o 'release [0-9.]*'))"
+  local t0=$SECONDS
+  install_package "$VENV_CUDA" "$VENV_CUDA/maskedbranch-build.log" \
+    FORCE_CUDA=1 MASKEDBRANCH_CPU_ONLY=0 CUDA_HOME="$CUDA_HOME_FOUND" TORCH_CUDA_ARCH_LIST="$ARCHS" || return 1
+  note "build took $((SECONDS - t0)) s"
+  show_install "$VENV_CUDA" 1 || return 1
+  local so
+  so=$(cd / && "$VENV_CUDA/bin/python" -c 'import maskedbranch._C as C; print(C.__file__)') || return 1
+  check_device_code "$so" || return 1
+  run_pytest "$VENV_CUDA" 1 tests
+}
+
+part_b() {
+  banner "Part (b): CMake/libtorch build + ctest"
+  ensure_venv "$VENV_CUDA" "$TORCH_CUDA_SPEC" "${TEST_DEPS[@]}" || return 1
+  command -v cmake >/dev/null || "$VENV_CUDA/bin/python" -m pip install -q cmake || return 1
+  local cuda=OFF
+  # The CUDA build of torch needs the toolkit for find_package(Torch) anyway (see CMakeLists.txt).
+  CUDA_HOME_FOUND=$(find_cuda_home) || CUDA_HOME_FOUND=""
+  if [[ -n $CUDA_HOME_FOUND && ${MASKEDBRANCH_CMAKE_CUDA:-1} == 1 ]]; then cuda=ON; fi
+  note "MASKEDBRANCH_CUDA=$cuda, TORCH_CUDA_ARCH_LIST=$ARCHS, build folder $CMAKE_BUILD_DIR"
+  mkdir -p "$CMAKE_BUILD_DIR"
+  env ${CUDA_HOME_FOUND:+CUDA_HOME=$CUDA_HOME_FOUND} TORCH_CUDA_ARCH_LIST="$ARCHS" \
+    cmake -S "$ROOT" -B "$CMAKE_BUILD_DIR" -DCMAKE_BUILD_TYPE=Release \
+    -DPython3_EXECUTABLE="$VENV_CUDA/bin/python" -DMASKEDBRANCH_CUDA=$cuda \
+    -DTORCH_CUDA_ARCH_LIST="$ARCHS" > "$CMAKE_BUILD_DIR/configure.log" 2>&1 \
+    || { tail -n 60 "$CMAKE_BUILD_DIR/configure.log"; return 1; }
+  grep -E 'maskedbranch:|CUDA NVCC flags' "$CMAKE_BUILD_DIR/configure.log" | sed 's/^/   /'
+  local t0=$SECONDS
+  cmake --build "$CMAKE_BUILD_DIR" -j "$MAX_JOBS" > "$CMAKE_BUILD_DIR/build.log" 2>&1 \
+    || { tail -n 80 "$CMAKE_BUILD_DIR/build.log"; return 1; }
+  note "build took $((SECONDS - t0)) s"
+  if [[ $cuda == ON ]]; then
+    check_device_code "$CMAKE_BUILD_DIR/libmaskedbranch.so" || return 1
+  fi
+  (cd "$CMAKE_BUILD_DIR" && ctest --output-on-failure -V | grep -vE '^(UpdateCTestConfiguration|Test project|Constructing|Checking|Parse|test [0-9]+$)')
+}
+
+part_c() {
+  banner "Part (c): CPU-only build (torch 2.13.0 CPU) + op tests"
+  ensure_venv "$VENV_CPU" "$TORCH_CPU_SPEC" "${TEST_DEPS[@]}" || return 1
+  local t0=$SECONDS
+  install_package "$VENV_CPU" "$VENV_CPU/maskedbranch-build.log" FORCE_CUDA=0 MASKEDBRANCH_CPU_ONLY=1 || return 1
+  note "build took $((SECONDS - t0)) s"
+  show_install "$VENV_CPU" 0 || return 1
+  local files=()
+  shopt -s nullglob
+  files=(tests/test_ops*.py)
+  shopt -u nullglob
+  if [[ ${#files[@]} -eq 0 ]]; then
+    note "no tests/test_ops*.py yet: running the whole suite"
+    files=(tests)
+  fi
+  run_pytest "$VENV_CPU" 0 "${files[@]}"
+}
+
+declare -A STATUS SECS
+ORDER=()
+overall=0
+for part in $PARTS; do
+  case $part in a|b|c) ;; *) echo "unknown part '$part' in MASKEDBRANCH_PARTS (use a, b, c)"; exit 2 ;; esac
+  start=$SECONDS
+  ( "part_$part" )
+  rc=$?
+  SECS[$part]=$((SECONDS - start))
+  if [[ $rc -eq 0 ]]; then STATUS[$part]=passed; else STATUS[$part]="FAILED (exit $rc)"; overall=1; fi
+  ORDER+=("$part")
+  note "part ($part) ${STATUS[$part]} in ${SECS[$part]} s"
+done
+
+declare -A TITLE=([a]="CUDA build + pytest suite" [b]="CMake/libtorch + ctest" [c]="CPU-only build + op tests")
+banner "Summary"
+printf '%-6s %-28s %-18s %8s\n' part what status seconds
+for part in "${ORDER[@]}"; do
+  printf '%-6s %-28s %-18s %8s\n' "($part)" "${TITLE[$part]}" "${STATUS[$part]}" "${SECS[$part]}"
+done
+exit $overall

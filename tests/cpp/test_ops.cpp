@@ -1,0 +1,257 @@
+// Calls the maskedbranch ops through the dispatcher, as any libtorch program would, and
+// checks them against values worked out by hand. Runs on the CPU, and on the GPU too when
+// the library has CUDA kernels and a GPU is visible. Exit status 0 means every check passed.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+
+#include <cstdio>
+#include <functional>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+int failures = 0;
+int checks = 0;
+
+#define EXPECT(cond, msg)                                                            \
+  do {                                                                               \
+    ++checks;                                                                        \
+    if (!(cond)) {                                                                   \
+      ++failures;                                                                    \
+      std::ostringstream os_;                                                        \
+      os_ << msg;                                                                    \
+      std::fprintf(stderr, "  FAILED %s:%d: %s\n    %s\n", __FILE__, __LINE__, #cond, \
+                   os_.str().c_str());                                               \
+    }                                                                                \
+  } while (0)
+
+// Exact comparison on the host (the expected values are small integers and halves, which
+// every dtype used here represents exactly).
+void expect_equal(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  auto g = got.cpu();
+  bool same = g.sizes() == want.sizes() && g.scalar_type() == want.scalar_type() && at::equal(g, want);
+  EXPECT(same, what << ": got\n" << g << "\nexpected\n" << want);
+}
+
+at::Tensor longs(std::vector<int64_t> v) { return at::tensor(v, at::kLong); }
+
+using Plan = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+c10::OperatorHandle op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+Plan plan(const at::Tensor& gate, int64_t num_branches) {
+  static auto handle = op("maskedbranch::plan").typed<Plan(const at::Tensor&, int64_t)>();
+  return handle.call(gate, num_branches);
+}
+
+at::Tensor gather(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& row_offsets,
+                  const at::Tensor& row_pos) {
+  static auto handle = op("maskedbranch::gather")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                             const at::Tensor&)>();
+  return handle.call(x, rows, row_offsets, row_pos);
+}
+
+at::Tensor gather_backward(const at::Tensor& grad, const at::Tensor& row_offsets, const at::Tensor& row_pos) {
+  static auto handle = op("maskedbranch::gather_backward")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  return handle.call(grad, row_offsets, row_pos);
+}
+
+at::Tensor combine(const std::optional<at::Tensor>& base, at::TensorList ys,
+                   const std::optional<at::Tensor>& weights, const Plan& p) {
+  static auto handle =
+      op("maskedbranch::combine")
+          .typed<at::Tensor(const std::optional<at::Tensor>&, at::TensorList, const std::optional<at::Tensor>&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  return handle.call(base, ys, weights, std::get<1>(p), std::get<2>(p), std::get<3>(p), std::get<4>(p));
+}
+
+at::Tensor combine_backward_ys(const at::Tensor& grad, const std::optional<at::Tensor>& weights,
+                               const at::Tensor& rows, std::vector<int64_t> counts) {
+  static auto handle = op("maskedbranch::combine_backward_ys")
+                           .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
+                                             const at::Tensor&, c10::SymIntArrayRef)>();
+  return handle.call(grad, weights, rows, c10::fromIntArrayRefSlow(counts));
+}
+
+at::Tensor drop_path_scale(const std::optional<at::Tensor>& base, const at::Tensor& y, const at::Tensor& scale) {
+  static auto handle = op("maskedbranch::drop_path_scale")
+                           .typed<at::Tensor(const std::optional<at::Tensor>&, const at::Tensor&,
+                                             const at::Tensor&)>();
+  return handle.call(base, y, scale);
+}
+
+std::vector<at::Tensor> zeros_like_all(at::TensorList tensors) {
+  static auto handle =
+      op("maskedbranch::zeros_like_all").typed<std::vector<at::Tensor>(at::TensorList)>();
+  return handle.call(tensors);
+}
+
+// ---- the checks -------------------------------------------------------------------------------
+
+// Branch ids [1, 0, 1, -1, 0] over 3 branches: branch 0 serves rows 1 and 4, branch 1 rows 0
+// and 2, branch 2 nothing, row 3 no branch.
+void test_plan_ids(const at::Device& dev) {
+  auto p = plan(longs({1, 0, 1, -1, 0}).to(dev), 3);
+  auto [offsets, rows, row_offsets, row_branch, row_pos] = p;
+  EXPECT(offsets.device().is_cpu(), "offsets must live on the host, got " << offsets.device());
+  EXPECT(rows.device() == dev, "rows must live on the gate's device, got " << rows.device());
+  expect_equal(offsets, longs({0, 2, 4, 4}), "plan(ids).offsets");
+  expect_equal(rows, longs({1, 4, 0, 2}), "plan(ids).rows");
+  expect_equal(row_offsets, longs({0, 1, 2, 3, 3, 4}), "plan(ids).row_offsets");
+  expect_equal(row_branch, longs({1, 0, 1, 0}), "plan(ids).row_branch");
+  expect_equal(row_pos, longs({2, 0, 3, 1}), "plan(ids).row_pos");
+  // int32 ids give the same plan.
+  expect_equal(std::get<1>(plan(at::tensor({1, 0, 1, -1, 0}, at::kInt).to(dev), 3)), longs({1, 4, 0, 2}),
+               "plan(int32 ids).rows");
+}
+
+// A weighted mask [[0.5, 0, 2], [0, 0, 0], [1, 1, 0]].
+void test_plan_mask(const at::Device& dev) {
+  auto gate = at::tensor({0.5f, 0.f, 2.f, 0.f, 0.f, 0.f, 1.f, 1.f, 0.f}).view({3, 3}).to(dev);
+  auto [offsets, rows, row_offsets, row_branch, row_pos] = plan(gate, 3);
+  expect_equal(offsets, longs({0, 2, 3, 4}), "plan(mask).offsets");
+  expect_equal(rows, longs({0, 2, 2, 0}), "plan(mask).rows");
+  expect_equal(row_offsets, longs({0, 2, 2, 4}), "plan(mask).row_offsets");
+  expect_equal(row_branch, longs({0, 2, 0, 1}), "plan(mask).row_branch");
+  expect_equal(row_pos, longs({0, 3, 1, 2}), "plan(mask).row_pos");
+  auto bool_plan = plan(gate.ne(0), 3);
+  expect_equal(std::get<1>(bool_plan), longs({0, 2, 2, 0}), "plan(bool mask).rows");
+}
+
+void test_gather_and_backward(const at::Device& dev) {
+  auto p = plan(longs({1, 0, 1, -1, 0}).to(dev), 3);
+  // x[b] = [10 b, 10 b + 1]
+  auto x = at::tensor({0.f, 1.f, 10.f, 11.f, 20.f, 21.f, 30.f, 31.f, 40.f, 41.f}).view({5, 2}).to(dev);
+  auto packed = gather(x, std::get<1>(p), std::get<2>(p), std::get<4>(p));
+  expect_equal(packed, at::tensor({10.f, 11.f, 40.f, 41.f, 0.f, 1.f, 20.f, 21.f}).view({4, 2}), "gather");
+  // Packed gradient [p + 1, p + 1] goes back to rows; row 3 was not routed and gets zeros.
+  auto grad = at::tensor({1., 1., 2., 2., 3., 3., 4., 4.}, at::kDouble).view({4, 2}).to(dev);
+  expect_equal(gather_backward(grad, std::get<2>(p), std::get<4>(p)),
+               at::tensor({3., 3., 1., 1., 4., 4., 0., 0., 2., 2.}, at::kDouble).view({5, 2}),
+               "gather_backward");
+}
+
+void test_combine(const at::Device& dev) {
+  auto p = plan(longs({1, 0, 1, -1, 0}).to(dev), 3);
+  auto opts = at::TensorOptions().dtype(at::kFloat).device(dev);
+  auto y0 = at::tensor({20.f, 22.f, 80.f, 82.f}).view({2, 2}).to(dev);   // rows 1, 4
+  auto y1 = at::tensor({0.f, -1.f, -20.f, -21.f}).view({2, 2}).to(dev);  // rows 0, 2
+  auto y2 = at::empty({0, 2}, opts);                                     // no rows
+  auto base = at::full({5, 2}, 100.f, opts);
+  expect_equal(combine(base, {y0, y1, y2}, std::nullopt, p),
+               at::tensor({100.f, 99.f, 120.f, 122.f, 80.f, 79.f, 100.f, 100.f, 180.f, 182.f}).view({5, 2}),
+               "combine(base, ids)");
+
+  // Weighted: out[0] = 0.5 * 1 + 2 * 4, out[1] = 0 (no base, no branch), out[2] = 1 * 2 + 1 * 3.
+  auto gate = at::tensor({0.5f, 0.f, 2.f, 0.f, 0.f, 0.f, 1.f, 1.f, 0.f}).view({3, 3}).to(dev);
+  auto pm = plan(gate, 3);
+  auto z0 = at::tensor({1.f, 2.f}).view({2, 1}).to(dev);  // rows 0, 2
+  auto z1 = at::tensor({3.f}).view({1, 1}).to(dev);       // row 2
+  auto z2 = at::tensor({4.f}).view({1, 1}).to(dev);       // row 0
+  expect_equal(combine(std::nullopt, {z0, z1, z2}, gate, pm), at::tensor({8.5f, 0.f, 5.f}).view({3, 1}),
+               "combine(weights)");
+
+  // Packed gradient of the branch outputs: weights[row, branch] * grad[row].
+  auto grad = at::tensor({1.f, 10.f, 100.f}).view({3, 1}).to(dev);
+  expect_equal(combine_backward_ys(grad, gate, std::get<1>(pm), {2, 1, 1}),
+               at::tensor({0.5f, 100.f, 100.f, 2.f}).view({4, 1}), "combine_backward_ys");
+}
+
+void test_drop_path_scale(const at::Device& dev) {
+  auto base = at::tensor({1.f, 1.f, 2.f, 2.f, 3.f, 3.f}).view({3, 2}).to(dev);
+  auto y = at::tensor({10.f, 20.f, 30.f, 40.f, 50.f, 60.f}).view({3, 2}).to(dev);
+  auto scale = at::tensor({0.f, 2.f, 0.5f}).to(dev);
+  expect_equal(drop_path_scale(base, y, scale), at::tensor({1.f, 1.f, 62.f, 82.f, 28.f, 33.f}).view({3, 2}),
+               "drop_path_scale(base)");
+  expect_equal(drop_path_scale(std::nullopt, y, scale), at::tensor({0.f, 0.f, 60.f, 80.f, 25.f, 30.f}).view({3, 2}),
+               "drop_path_scale(no base)");
+}
+
+void test_zeros_like_all(const at::Device& dev) {
+  auto a = at::ones({2, 3}, at::TensorOptions().device(dev));
+  auto b = at::ones({4}, at::TensorOptions().dtype(at::kDouble).device(dev));
+  auto z = zeros_like_all({a, b});
+  EXPECT(z.size() == 2, "zeros_like_all returned " << z.size() << " tensors");
+  if (z.size() == 2) {
+    expect_equal(z[0], at::zeros({2, 3}), "zeros_like_all[0]");
+    expect_equal(z[1], at::zeros({4}, at::kDouble), "zeros_like_all[1]");
+  }
+}
+
+template <typename Error>
+void expect_throws(const std::function<void()>& fn, const std::string& needle, const std::string& what) {
+  try {
+    fn();
+    EXPECT(false, what << ": no error was raised");
+  } catch (const Error& e) {
+    std::string msg = e.what_without_backtrace();
+    EXPECT(msg.find(needle) != std::string::npos, what << ": message lacks '" << needle << "': " << msg);
+  } catch (const c10::Error& e) {
+    EXPECT(false, what << ": raised the wrong c10::Error subclass: " << e.what_without_backtrace());
+  }
+}
+
+void test_errors(const at::Device& dev) {
+  expect_throws<c10::IndexError>([&] { plan(longs({0, 3}).to(dev), 3); }, "out of range",
+                                 "plan(id 3 of 3 branches)");
+  expect_throws<c10::IndexError>([&] { plan(longs({-2}).to(dev), 3); }, "out of range", "plan(id -2)");
+  expect_throws<c10::ValueError>([&] { plan(at::zeros({2, 4}).to(dev), 3); }, "[B, 3]",
+                                 "plan(mask with 4 columns for 3 branches)");
+  expect_throws<c10::TypeError>([&] { plan(at::zeros({2}).to(dev), 3); }, "integer", "plan(float ids)");
+  // A hand-made plan that points outside x.
+  expect_throws<c10::IndexError>(
+      [&] { gather(at::zeros({2, 2}).to(dev), longs({5}).to(dev), longs({0, 1, 1}).to(dev), longs({0}).to(dev)); },
+      "out of range", "gather(row 5 of 2)");
+}
+
+void run_all(const at::Device& dev) {
+  const std::vector<std::pair<const char*, void (*)(const at::Device&)>> tests = {
+      {"plan_ids", test_plan_ids},
+      {"plan_mask", test_plan_mask},
+      {"gather_and_backward", test_gather_and_backward},
+      {"combine", test_combine},
+      {"drop_path_scale", test_drop_path_scale},
+      {"zeros_like_all", test_zeros_like_all},
+      {"errors", test_errors},
+  };
+  for (const auto& [name, fn] : tests) {
+    const int before = failures;
+    try {
+      fn(dev);
+    } catch (const std::exception& e) {
+      ++failures;
+      std::fprintf(stderr, "  FAILED %s: unexpected exception: %s\n", name, e.what());
+    }
+    std::printf("[%s] %-22s %s\n", dev.str().c_str(), name, failures == before ? "ok" : "FAILED");
+  }
+}
+
+}  // namespace
+
+int main() {
+  // The library registers its ops when it is loaded; a missing schema means it was not linked.
+  if (!c10::Dispatcher::singleton().findSchema({"maskedbranch::plan", ""}).has_value()) {
+    std::fprintf(stderr, "maskedbranch ops are not registered (is libmaskedbranch linked/loaded?)\n");
+    return 1;
+  }
+  run_all(at::Device(at::kCPU));
+#ifdef MASKEDBRANCH_WITH_CUDA
+  if (torch::cuda::is_available()) {
+    run_all(at::Device(at::kCUDA, 0));
+  } else {
+    std::printf("no GPU visible: CUDA kernels not exercised\n");
+  }
+#endif
+  std::printf("%d checks, %d failed\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}
