@@ -404,3 +404,28 @@ def test_cuda_tensor_in_cpu_only_build_is_a_clear_error():
         return
     with pytest.raises(RuntimeError, match="built without"):
         mb.gather(torch.ones(2, 2, device="cuda"), mb.make_plan(torch.tensor([0, 0]), 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# autocast: combine and drop_path_scale promote to the widest floating dtype
+
+
+def test_autocast_promotes_mixed_dtypes():
+    gen = torch.Generator().manual_seed(31)
+    x = torch.randn(6, 4, generator=gen, requires_grad=True)
+    lin = torch.nn.Linear(4, 4)
+    gate = torch.tensor([0, 1, -1, 0, 1, 1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = mb.make_plan(gate, 2)
+        ys = [lin(y) for y in mb.split_packed(mb.gather(x, plan), plan)]
+        assert all(y.dtype == torch.bfloat16 for y in ys)
+        out = mb.combine(ys, plan, base=x)
+        scaled = mb.drop_path_scale(lin(x), torch.full((6,), 2.0), base=x)
+    assert out.dtype == torch.float32 and scaled.dtype == torch.float32
+    want = ref.combine(x.detach(), [y.detach().float() for y in ys], None, plan.rows, 6)
+    torch.testing.assert_close(out.detach(), want)
+    (out.sum() + scaled.sum()).backward()
+    assert x.grad.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32
+    # Outside autocast, mixed dtypes are an error that names the argument.
+    with pytest.raises(TypeError, match="ys\\[0\\]: expected dtype Float like base"):
+        mb.combine([y.detach() for y in ys], plan, base=x)
