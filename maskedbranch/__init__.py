@@ -12,8 +12,21 @@ __all__ = [
     "anchor",
     "combine",
     "drop_path_scale",
+    "find_divergent_parameters",
+    "find_unused_parameters",
     "gather",
     "make_plan",
     "reference",
     "split_packed",
 ]
+
+
+def __getattr__(name):
+    # The unused-parameter finder (maskedbranch.doctor) loads on first use, so that
+    # `python -m maskedbranch.doctor` does not find it imported already (runpy warns about that).
+    if name in ("doctor", "find_divergent_parameters", "find_unused_parameters"):
+        import importlib
+
+        doctor = importlib.import_module(".doctor", __name__)
+        return doctor if name == "doctor" else getattr(doctor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
