@@ -3,14 +3,19 @@ DistributedDataParallel. Every branch's parameters stay in the autograd graph (d
 zero gradients) while the rows a branch does not serve are never computed."""
 from . import reference
 from ._ops import Plan, WITH_CUDA, anchor, combine, drop_path_scale, gather, make_plan, split_packed
+from .drop_path import DropPath, ResidualDropPath, drop_add_residual, drop_path
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DropPath",
     "Plan",
+    "ResidualDropPath",
     "WITH_CUDA",
     "anchor",
     "combine",
+    "drop_add_residual",
+    "drop_path",
     "drop_path_scale",
     "find_divergent_parameters",
     "find_unused_parameters",
