@@ -304,7 +304,7 @@ def drop_add_residual(
 def _runs_collectives(module: nn.Module) -> Optional[str]:
     for name, m in module.named_modules():
         if isinstance(m, nn.SyncBatchNorm):
-            return name or type(m).__name__
+            return f"{type(m).__name__} at {name!r}" if name else type(m).__name__
     return None
 
 
@@ -340,14 +340,15 @@ class ResidualDropPath(nn.Module):
         self.mode = _check_mode(mode)
         self.scale_by_keep = scale_by_keep
         self.generator = _check_generator(generator)
-        self._collective = _runs_collectives(branch)
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         p = _check_drop_prob(self.drop_prob)
         _check_mode(self.mode)
-        if self.training and p > 0.0 and self._collective is not None:
+        # checked on every call: convert_sync_batchnorm typically runs after construction
+        collective = _runs_collectives(self.branch) if self.training and p > 0.0 else None
+        if collective is not None:
             raise RuntimeError(
-                f"ResidualDropPath: the branch contains {self._collective!r}, which runs collectives; "
+                f"ResidualDropPath: the branch contains {collective}, which runs collectives; "
                 "skipping it on some ranks only would hang the others. Use BatchNorm (or another "
                 "per-rank layer) in a branch that can be dropped, or set drop_prob=0."
             )

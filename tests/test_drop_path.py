@@ -545,8 +545,13 @@ def test_residual_module_refuses_sync_batchnorm():
     with pytest.raises(RuntimeError, match="collectives"):
         block(torch.randn(3, 4))
     block.eval()
-    block.branch[1].eval()
     block(torch.randn(3, 4))  # eval: nothing is skipped
+    # converted after construction, as nn.SyncBatchNorm.convert_sync_batchnorm(model) does
+    block = mb.ResidualDropPath(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), 0.2)
+    block(torch.randn(3, 4))
+    block = nn.SyncBatchNorm.convert_sync_batchnorm(block)
+    with pytest.raises(RuntimeError, match="SyncBatchNorm|collectives"):
+        block(torch.randn(3, 4))
 
 
 # ----------------------------------------------------------------------------------------------
