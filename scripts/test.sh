@@ -95,7 +95,8 @@ install_package() {
   fi
   # What the build says about itself (setup.py prints the kernels it builds).
   grep -E '^ *maskedbranch:' "$log" | sed 's/^ */   /' | sort -u
-  grep -cE '^\[[0-9]+/[0-9]+\]' "$log" | xargs printf -- '-- %s compile steps ran (ninja)\n'
+  note "$(grep -cE '^ *\[[0-9]+/[0-9]+\] ' "$log") compile/link steps ran (ninja; 0 = nothing changed)"
+  return 0
 }
 
 # show_install VENV EXPECTED_WITH_CUDA : print where maskedbranch is imported from; fail unless
@@ -114,10 +115,27 @@ EOF
   )
 }
 
-# check_device_code SO : cuobjdump must list device code for every architecture in $ARCHS.
+# find_cuobjdump VENV : the toolkit's cuobjdump, else one on PATH, else one shipped by a pip
+# package of the environment (triton bundles one), else it installs nvidia-cuda-cuobjdump.
+find_cuobjdump() {
+  local venv=$1 c site
+  for c in "${CUDA_HOME_FOUND:-}/bin/cuobjdump" "$(command -v cuobjdump || true)"; do
+    if [[ -x $c ]]; then echo "$c"; return 0; fi
+  done
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])') || return 1
+  for attempt in 1 2; do
+    c=$(find "$site" -path '*/bin/cuobjdump' -type f -perm -u+x 2>/dev/null | sort | head -n 1)
+    if [[ -n $c ]]; then echo "$c"; return 0; fi
+    [[ $attempt == 1 ]] && "$venv/bin/python" -m pip install -q "nvidia-cuda-cuobjdump<14" >&2
+  done
+  return 1
+}
+
+# check_device_code VENV SO : cuobjdump must list device code for every architecture in $ARCHS.
 check_device_code() {
-  local so=$1 cuobjdump=$CUDA_HOME_FOUND/bin/cuobjdump elf ptx arch missing=0
-  [[ -x $cuobjdump ]] || { echo "!! $cuobjdump not found"; return 1; }
+  local venv=$1 so=$2 cuobjdump elf ptx arch missing=0
+  cuobjdump=$(find_cuobjdump "$venv") || { echo "!! no cuobjdump found"; return 1; }
+  note "using $cuobjdump ($("$cuobjdump" --version | grep -o 'release [0-9.]*'))"
   elf=$("$cuobjdump" --list-elf "$so" 2>&1)
   ptx=$("$cuobjdump" --list-ptx "$so" 2>&1)
   note "cuobjdump --list-elf $(basename "$so"):"
@@ -161,7 +179,9 @@ part_a() {
   banner "Part (a): CUDA build (torch 2.14.1, archs $ARCHS) + full pytest suite"
   ensure_venv "$VENV_CUDA" "$TORCH_CUDA_SPEC" "${TEST_DEPS[@]}" matplotlib tqdm || return 1
   # Optional extras the tests and benchmarks use when present.
-  if ! "$VENV_CUDA/bin/python" -m pip install -q "$TORCH_CUDA_SPEC" "torchvision==0.29.1" timm; then
+  if "$VENV_CUDA/bin/python" -m pip install -q "$TORCH_CUDA_SPEC" "torchvision==0.29.1" timm; then
+    note "$("$VENV_CUDA/bin/python" -c 'import timm, torchvision; print(f"timm {timm.__version__}, torchvision {torchvision.__version__}")' 2>&1 | tail -n 1)"
+  else
     note "timm / torchvision could not be installed; tests that need them will skip"
   fi
   CUDA_HOME_FOUND=$(find_cuda_home) || { echo "!! no CUDA toolkit (nvcc) found"; return 1; }
@@ -173,7 +193,7 @@ part_a() {
   show_install "$VENV_CUDA" 1 || return 1
   local so
   so=$(cd / && "$VENV_CUDA/bin/python" -c 'import maskedbranch._C as C; print(C.__file__)') || return 1
-  check_device_code "$so" || return 1
+  check_device_code "$VENV_CUDA" "$so" || return 1
   run_pytest "$VENV_CUDA" 1 tests
 }
 
@@ -198,7 +218,7 @@ part_b() {
     || { tail -n 80 "$CMAKE_BUILD_DIR/build.log"; return 1; }
   note "build took $((SECONDS - t0)) s"
   if [[ $cuda == ON ]]; then
-    check_device_code "$CMAKE_BUILD_DIR/libmaskedbranch.so" || return 1
+    check_device_code "$VENV_CUDA" "$CMAKE_BUILD_DIR/libmaskedbranch.so" || return 1
   fi
   (cd "$CMAKE_BUILD_DIR" && ctest --output-on-failure -V | grep -vE '^(UpdateCTestConfiguration|Test project|Constructing|Checking|Parse|test [0-9]+$)')
 }
