@@ -3,12 +3,14 @@ DistributedDataParallel. Every branch's parameters stay in the autograd graph (d
 zero gradients) while the rows a branch does not serve are never computed."""
 from . import reference
 from ._ops import Plan, WITH_CUDA, anchor, combine, drop_path_scale, gather, make_plan, split_packed
+from .nn import MaskedBranch, masked_branch
 from .drop_path import DropPath, ResidualDropPath, drop_add_residual, drop_path
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DropPath",
+    "MaskedBranch",
     "Plan",
     "ResidualDropPath",
     "WITH_CUDA",
@@ -21,6 +23,7 @@ __all__ = [
     "find_unused_parameters",
     "gather",
     "make_plan",
+    "masked_branch",
     "reference",
     "split_packed",
 ]

@@ -1,0 +1,511 @@
+"""User-facing modules: :class:`MaskedBranch` and its functional form :func:`masked_branch`.
+
+``MaskedBranch(branches)(x, gate)`` computes ``y[b] = sum_i g[b, i] * branch_i(x[b])`` while
+feeding each branch only the rows it serves, and keeps every branch's parameters in the autograd
+graph, so that DistributedDataParallel works with ``find_unused_parameters=False`` even when the
+ranks route differently. See DESIGN.md for the semantics and the data flow.
+"""
+from __future__ import annotations
+
+import operator
+import sys
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from . import _ops
+from ._args import is_per_row, route_args
+
+__all__ = ["MaskedBranch", "masked_branch"]
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules that run collectives. A branch that is skipped on one rank but not on another would
+# leave its collective unmatched and hang the job, so they are refused.
+
+
+def _collective_types() -> Tuple[type, ...]:
+    types: List[type] = [nn.SyncBatchNorm, nn.parallel.DistributedDataParallel]
+    # Only look at modules the user has imported: an FSDP-wrapped branch implies its module is
+    # loaded, and importing it here would cost a second at startup.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None:
+        for name in ("FullyShardedDataParallel", "FSDPModule"):
+            t = getattr(fsdp, name, None)
+            if isinstance(t, type):
+                types.append(t)
+    return tuple(types)
+
+
+def _check_no_collectives(branches: Iterable[Any], check_params: bool) -> None:
+    types = _collective_types()
+    dtensor_mod = sys.modules.get("torch.distributed.tensor") if check_params else None
+    dtensor = getattr(dtensor_mod, "DTensor", None)
+    for i, branch in enumerate(branches):
+        if not isinstance(branch, nn.Module):
+            continue
+        for name, m in branch.named_modules():
+            if isinstance(m, types):
+                where = f"branches[{i}]" + (f".{name}" if name else "")
+                hint = (
+                    " Use nn.BatchNorm* instead: inside a MaskedBranch each branch normalizes the "
+                    "rows it serves, as the if/else model does."
+                    if isinstance(m, nn.SyncBatchNorm)
+                    else ""
+                )
+                raise ValueError(
+                    f"branches: {where} is a {type(m).__name__}, which runs collectives across "
+                    "ranks. A branch that receives no rows on one rank is skipped there, so its "
+                    f"collective would never be matched and the job would hang.{hint}"
+                )
+        if isinstance(dtensor, type):
+            for name, p in branch.named_parameters():
+                if isinstance(p, dtensor):
+                    raise ValueError(
+                        f"branches: branches[{i}].{name} is a DTensor; sharded parameters "
+                        "communicate in the forward, which a skipped branch would not match"
+                    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks. Every error names the argument and leaves the module untouched.
+
+
+def _check_x(x: Any) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x: expected a tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError("x: expected at least one dimension (rows first), got a 0-d tensor")
+
+
+def _normalize_gate(gate: Any, x: Tensor, n: int):
+    """Returns ("int", k) or ("tensor", gate) after checking type, rank, shape, dtype, device."""
+    if isinstance(gate, bool):
+        raise TypeError(
+            "gate: got a bool; pass an int branch id, an integer tensor [B] of ids or a bool "
+            f"tensor [B, {n}]"
+        )
+    if not isinstance(gate, Tensor):
+        try:
+            k = operator.index(gate)
+        except TypeError:
+            raise TypeError(
+                f"gate: expected an int branch id, an integer tensor [B] of branch ids or a bool/"
+                f"floating tensor [B, {n}], got {type(gate).__name__}"
+            ) from None
+        if not -1 <= k < n:
+            raise IndexError(f"gate: branch id {k} is out of range; expected -1 (no branch) to {n - 1}")
+        return "int", k
+    batch = x.shape[0]
+    if gate.is_complex():
+        raise TypeError(f"gate: complex gates are not supported, got dtype {gate.dtype}")
+    if gate.is_cuda and gate.device != x.device:
+        raise ValueError(
+            f"gate: a device gate must live on x's device ({x.device}), got one on {gate.device}; "
+            "a CPU gate is fine with any x (its plan is built on the host and shipped asynchronously)"
+        )
+    if gate.device.type not in ("cpu", x.device.type):
+        raise ValueError(f"gate: expected a CPU tensor or one on {x.device}, got one on {gate.device}")
+    if gate.dim() == 0:
+        if gate.dtype not in _INT_DTYPES:
+            raise TypeError(f"gate: a 0-d gate must be an integer branch id, got dtype {gate.dtype}")
+        if gate.device.type == "cpu":
+            return _normalize_gate(int(gate), x, n)
+        return "tensor", gate.expand(batch)  # a device scalar: read back once by the plan
+    if gate.dim() == 1:
+        if gate.dtype not in _INT_DTYPES:
+            raise TypeError(
+                "gate: a 1-D gate holds one integer branch id per row (-1 = no branch), got dtype "
+                f"{gate.dtype}" + (f"; for a mask use shape [B, {n}]" if gate.dtype == torch.bool else "")
+            )
+        if gate.shape[0] != batch:
+            raise ValueError(f"gate: expected {batch} branch ids (one per row of x), got shape {tuple(gate.shape)}")
+        return "tensor", gate
+    if gate.dim() == 2:
+        if tuple(gate.shape) != (batch, n):
+            raise ValueError(
+                f"gate: expected shape [{batch}, {n}] (rows of x, branches), got {tuple(gate.shape)}"
+            )
+        if gate.dtype != torch.bool and not gate.is_floating_point():
+            raise TypeError(
+                f"gate: a 2-D gate must be bool (a mask) or floating (weights), got dtype {gate.dtype}"
+            )
+        return "tensor", gate
+    raise ValueError(
+        f"gate: expected an int, branch ids [B] or a mask/weights [B, {n}], got shape {tuple(gate.shape)}"
+    )
+
+
+def _check_per_row_devices(args: Tuple[Any, ...], kwargs: Dict[str, Any], x: Tensor) -> None:
+    batch = x.shape[0]
+    named = [(f"args[{j}]", a) for j, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]
+    for name, a in named:
+        if is_per_row(a, batch) and a.device != x.device:
+            raise ValueError(
+                f"{name}: a per-row argument (first dimension {batch}, routed with x) must live on "
+                f"x's device {x.device}, got {a.device}"
+            )
+
+
+def _check_output(y: Any, i: int, rows: int) -> Tensor:
+    if not isinstance(y, Tensor):
+        raise TypeError(f"branches[{i}]: expected the branch to return a tensor, got {type(y).__name__}")
+    if y.dim() < 1 or y.shape[0] != rows:
+        raise ValueError(
+            f"branches[{i}]: the branch was given {rows} rows and returned shape {tuple(y.shape)}; "
+            "a branch must return one row per input row"
+        )
+    return y
+
+
+def _mismatch(i: int, sig, j: Any, ref) -> ValueError:
+    other = f"branches[{j}]" if isinstance(j, int) else j
+    return ValueError(
+        f"branches: the outputs disagree: branches[{i}] returns rows of shape {list(sig[0])} and "
+        f"dtype {sig[1]}, {other} rows of shape {list(ref[0])} and dtype {ref[1]}; every branch "
+        "must return the same trailing shape and dtype"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Output signatures (trailing shape, dtype): how the output of a call where no row reaches any
+# branch is shaped, and how disagreeing branches are caught.
+
+
+def _arg_sig(a: Any, batch: int):
+    if isinstance(a, Tensor):
+        shape = tuple(a.shape[1:]) if is_per_row(a, batch) else tuple(a.shape)
+        return ("T", shape, a.dtype)
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    return type(a)
+
+
+def _input_key(x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
+    batch = x.shape[0]
+    key = (tuple(x.shape[1:]), x.dtype, x.device)
+    if args:
+        key += tuple(_arg_sig(a, batch) for a in args)
+    if kwargs:
+        key += tuple((k, _arg_sig(v, batch)) for k, v in kwargs.items())
+    return key
+
+
+def _probe(branch: Callable, x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
+    """(trailing shape, dtype) of ``branch``'s output for inputs like these, found on meta tensors:
+    no compute, no effect on parameters, buffers or random state. None when the branch cannot run
+    on meta tensors (data-dependent code, ops without meta kernels, tensors that are not
+    parameters or buffers)."""
+
+    def meta(a):
+        return a.to("meta") if isinstance(a, Tensor) else a
+
+    try:
+        margs = tuple(meta(a) for a in args)
+        mkwargs = {k: meta(v) for k, v in kwargs.items()}
+        with torch.no_grad():
+            if isinstance(branch, nn.Module):
+                state = {k: meta(v) for k, v in branch.named_parameters(remove_duplicate=False)}
+                state.update({k: meta(v) for k, v in branch.named_buffers(remove_duplicate=False)})
+                y = torch.func.functional_call(branch, state, (meta(x), *margs), mkwargs, strict=False)
+            else:
+                y = branch(meta(x), *margs, **mkwargs)
+    except Exception:  # noqa: BLE001 - any failure means "unknown"; the real call will tell
+        return None
+    if not isinstance(y, Tensor) or y.dim() < 1:
+        return None
+    return tuple(y.shape[1:]), y.dtype
+
+
+class _Signatures:
+    """Output signature per input signature, learned from calls and probes. Bounded (inputs with
+    varying shapes would otherwise grow it without limit)."""
+
+    def __init__(self, size: int = 32):
+        self.size = size
+        self.table: "OrderedDict[Any, Tuple[Tuple[int, ...], torch.dtype, int]]" = OrderedDict()
+        self.first_call = True
+
+    def get(self, key):
+        return self.table.get(key)
+
+    def put(self, key, sig, branch: int) -> None:
+        self.table[key] = (sig[0], sig[1], branch)
+        if len(self.table) > self.size:
+            self.table.popitem(last=False)
+
+
+def _learn(
+    spec: Optional[_Signatures],
+    key,
+    live: Dict[int, Tensor],
+    branches: Sequence[Callable],
+    x: Tensor,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+):
+    """Check that the live outputs agree with each other and with what was seen before; return
+    the output signature (trailing shape, dtype), or None when no branch ran and it is unknown."""
+    sig = None
+    first = None
+    for i, y in live.items():
+        s = (tuple(y.shape[1:]), y.dtype)
+        if sig is None:
+            sig, first = s, i
+        elif s != sig:
+            raise _mismatch(i, s, first, sig)
+    known = spec.get(key) if spec is not None else None
+    if known is not None and sig is not None and (known[0], known[1]) != sig:
+        raise _mismatch(first, sig, f"branches[{known[2]}] (in an earlier call with inputs like these)", known)
+    if spec is not None and spec.first_call:
+        # First call: also check the branches that received no rows, on meta tensors.
+        spec.first_call = False
+        if not torch.compiler.is_compiling():
+            for i, branch in enumerate(branches):
+                if i in live:
+                    continue
+                s = _probe(branch, x, args, kwargs)
+                if s is None:
+                    continue
+                if sig is None:
+                    sig, first = s, i
+                elif s != sig:
+                    raise _mismatch(i, s, first, sig)
+    if sig is None and known is not None:
+        return known[0], known[1]
+    if sig is None:  # no row reached any branch and the signature is unknown: infer it
+        for i, branch in enumerate(branches):
+            sig = _probe(branch, x, args, kwargs)
+            if sig is not None:
+                first = i
+                break
+        else:
+            raise RuntimeError(
+                "MaskedBranch: no row reached any branch, and the output's trailing shape and dtype "
+                "could not be inferred (no earlier call with inputs like these, and no branch runs "
+                "on meta tensors). Make one call with at least one live row first."
+            )
+    if spec is not None and known is None:
+        spec.put(key, sig, first)
+    return sig
+
+
+# ----------------------------------------------------------------------------------------------
+# The forward.
+
+
+def _params_of(branch: Callable) -> List[Tensor]:
+    return list(branch.parameters()) if isinstance(branch, nn.Module) else []
+
+
+def _anchor_dead(out: Tensor, branches: Sequence[Callable], live, materialize: bool) -> Tensor:
+    if not torch.is_grad_enabled():
+        return out  # no graph: nothing to anchor
+    live_ids = set()
+    for i in live:
+        live_ids.update(id(p) for p in _params_of(branches[i]))
+    params, seen = [], set()
+    for i, branch in enumerate(branches):
+        if i in live:
+            continue
+        for p in _params_of(branch):
+            if p.requires_grad and id(p) not in live_ids and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return _ops.anchor(out, params, materialize=materialize)
+
+
+class _Split:
+    """A per-row argument packed like x, one slice per branch."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: List[Tensor]):
+        self.parts = parts
+
+
+def _pack(t: Tensor, plan: _ops.Plan) -> Tensor:
+    if t.is_floating_point():
+        return _ops.gather(t, plan)  # differentiable, deterministic backward
+    return t.index_select(0, plan.rows)  # ids, masks: no gradient
+
+
+def _host_to(t: Tensor, device: torch.device) -> Tensor:
+    """Ship a host tensor to ``device`` without blocking the host (differentiable)."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _forward(
+    branches: Sequence[Callable],
+    x: Tensor,
+    gate: Any,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    materialize: bool,
+    spec: Optional[_Signatures],
+) -> Tensor:
+    n = len(branches)
+    _check_x(x)
+    kind, gate = _normalize_gate(gate, x, n)
+    _check_per_row_devices(args, kwargs, x)
+    key = _input_key(x, args, kwargs) if spec is not None else None
+
+    if kind == "int" and gate >= 0:
+        # The whole batch goes to one branch: nothing but the branch (and a view for the anchor).
+        out = _check_output(branches[gate](x, *args, **kwargs), gate, x.shape[0])
+        _learn(spec, key, {gate: out}, branches, x, args, kwargs)
+        return _anchor_dead(out, branches, (gate,), materialize)
+    if kind == "int":  # -1: no row reaches any branch
+        gate = torch.full((x.shape[0],), -1, dtype=torch.int64)
+
+    plan = _ops.make_plan(gate, n, device=x.device)  # host counts; a device gate reads back once
+    counts = plan.counts
+    batch = x.shape[0]
+    weights = gate if gate.dim() == 2 and gate.is_floating_point() else None
+
+    if weights is None and batch > 0 and plan.num_entries == batch:
+        for i, c in enumerate(counts):
+            if c == batch:
+                # Every row goes to branch i alone, in order: run it on x itself.
+                out = _check_output(branches[i](x, *args, **kwargs), i, batch)
+                _learn(spec, key, {i: out}, branches, x, args, kwargs)
+                return _anchor_dead(out, branches, (i,), materialize)
+
+    packed = _pack(x, plan)
+    xs = _ops.split_packed(packed, plan)
+    routed_args, routed_kwargs = route_args(
+        args, kwargs, batch, lambda t: _Split(_ops.split_packed(_pack(t, plan), plan))
+    )
+
+    live: Dict[int, Tensor] = {}
+    for i, c in enumerate(counts):
+        if c == 0:
+            continue  # the branch never sees a row
+        a = tuple(v.parts[i] if isinstance(v, _Split) else v for v in routed_args)
+        kw = {k: v.parts[i] if isinstance(v, _Split) else v for k, v in routed_kwargs.items()}
+        live[i] = _check_output(branches[i](xs[i], *a, **kw), i, c)
+
+    trailing, dtype = _learn(spec, key, live, branches, x, args, kwargs)
+    ys: List[Tensor] = []
+    for i in range(n):
+        if i in live:
+            ys.append(live[i])
+        elif not live and i == 0 and packed.requires_grad:
+            # No row reaches any branch: keep x in the graph (its gradient is zero) so that
+            # whatever produced x still gets gradients on this rank.
+            ys.append(packed.reshape((0, *trailing)).to(dtype))
+        else:
+            ys.append(torch.empty((0, *trailing), dtype=dtype, device=x.device))
+    if weights is not None:
+        weights = _host_to(weights, ys[0].device)
+    out = _ops.combine(ys, plan, weights=weights)
+    return _anchor_dead(out, branches, live, materialize)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API.
+
+
+def _as_branch_list(branches: Any, callables: bool) -> List[Any]:
+    if isinstance(branches, nn.Module) and not isinstance(branches, nn.ModuleList):
+        raise TypeError(
+            f"branches: expected an iterable of nn.Module (a list or an nn.ModuleList), got a single "
+            f"{type(branches).__name__}; wrap it in a list"
+        )
+    if isinstance(branches, (str, bytes)) or not isinstance(branches, Iterable):
+        raise TypeError(f"branches: expected an iterable of nn.Module, got {type(branches).__name__}")
+    out = list(branches)
+    if not out:
+        raise ValueError("branches: expected at least one branch, got none")
+    for i, b in enumerate(out):
+        ok = callable(b) if callables else isinstance(b, nn.Module)
+        if not ok:
+            want = "a callable" if callables else "an nn.Module"
+            raise TypeError(f"branches[{i}]: expected {want}, got {type(b).__name__}")
+    return out
+
+
+class MaskedBranch(nn.Module):
+    r"""Run each row through the branches its gate selects, and only those:
+    ``y[b] = sum_i g[b, i] * branch_i(x[b], ...)``.
+
+    Args:
+        branches: an iterable of ``nn.Module``, stored as an ``nn.ModuleList`` named ``branches``
+            (state_dict keys read ``branches.0.weight``, ...). Every branch must map ``r`` rows to
+            ``r`` rows of the same trailing shape and dtype for all branches. Branches that run
+            collectives (``nn.SyncBatchNorm``, DDP/FSDP-wrapped modules, DTensor parameters) are
+            refused: skipped on one rank, their collective would hang the others.
+        materialize_grads: the gradient handed to the parameters of branches that did not run.
+            ``False`` (default): undefined. The parameters stay in the graph, so their autograd
+            hooks fire and DDP zero-fills their bucket slots before the all-reduce (no kernel per
+            parameter); after DDP's backward their ``.grad`` holds the average over ranks (zero
+            where no rank used them). Without DDP their ``.grad`` is left as is, as with if/else.
+            ``True``: zero tensors (one batched fill), for FSDP2 (``fully_shard`` reduces only
+            defined gradients) or for code that expects every ``.grad`` to be defined.
+
+    ``forward(x, gate, *args, **kwargs)``, where ``x`` is ``[B, ...]`` and ``gate`` is:
+
+    * an ``int`` k: the whole batch runs branch k (no gather, no copy; -1: no branch);
+    * an integer tensor ``[B]``: one branch id per row, -1 = no branch for that row;
+    * a bool or floating tensor ``[B, N]``: any subset of branches per row, the value being the
+      weight. Floating weights that require grad get gradients at their nonzero entries and zero
+      at zero entries (the branch never ran there; the dense 0/1 formula would give
+      ``<grad_out[b], branch_i(x[b])>``).
+
+    The gate may live on the CPU with ``x`` on a GPU (preferred: the routing plan is built on the
+    host and shipped asynchronously, no synchronization); a gate on the GPU costs one readback.
+    Extra tensor arguments whose first dimension is ``B`` are routed with ``x`` (each branch
+    gets its rows of them); anything else is passed through unchanged.
+
+    Rows with a zero gate never reach a branch; a branch with no rows does not run. Every
+    parameter of every branch gets a gradient on every call that builds a graph (see
+    ``materialize_grads``), so DDP runs with ``find_unused_parameters=False`` (and
+    ``static_graph=True``); under ``torch.no_grad()`` nothing is anchored.
+
+    When no row reaches any branch the output is zeros ``[B, *trailing]``; the trailing shape and
+    dtype are those the branches returned in an earlier call with inputs of the same trailing
+    shapes and dtypes, or, if there was none, are inferred by running a branch on meta tensors
+    (no compute, no effect on parameters, buffers or random state). ``x`` stays in the graph
+    with a zero gradient. On the first call the branches that got no rows are also run on meta
+    tensors to check that all branches agree in trailing shape and dtype.
+    """
+
+    def __init__(self, branches: Iterable[nn.Module], *, materialize_grads: bool = False):
+        super().__init__()
+        mods = _as_branch_list(branches, callables=False)
+        _check_no_collectives(mods, check_params=True)
+        self.branches = branches if isinstance(branches, nn.ModuleList) else nn.ModuleList(mods)
+        self.materialize_grads = bool(materialize_grads)
+        self._signatures = _Signatures()
+
+    @property
+    def num_branches(self) -> int:
+        return len(self.branches)
+
+    def forward(self, x: Tensor, gate: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.training or self._signatures.first_call:
+            # Branches may have been converted since construction (convert_sync_batchnorm).
+            _check_no_collectives(self.branches, check_params=self._signatures.first_call)
+        return _forward(list(self.branches), x, gate, args, kwargs, self.materialize_grads, self._signatures)
+
+    def extra_repr(self) -> str:
+        return f"num_branches={len(self.branches)}" + (", materialize_grads=True" if self.materialize_grads else "")
+
+
+def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any, **kwargs: Any) -> Tensor:
+    """Functional form of :class:`MaskedBranch`: ``branches`` is a sequence of callables
+    (modules or functions; the parameters of ``nn.Module`` branches are anchored, with undefined
+    gradients). Without a module to remember them, output signatures are not cached: a call where
+    no row reaches any branch infers the output shape on meta tensors every time, and branches
+    that get no rows are not checked."""
+    branch_list = _as_branch_list(branches, callables=True)
+    _check_no_collectives(branch_list, check_params=False)
+    return _forward(branch_list, x, gate, args, kwargs, False, None)
