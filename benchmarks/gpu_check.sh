@@ -1,0 +1,181 @@
+#!/usr/bin/env bash
+# One prepared check for a GPU machine (no internet needed), from the repository root:
+#   bash benchmarks/gpu_check.sh
+# 1. builds the extension in place (editable install, TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16)
+#    and checks that the CUDA kernels load (cuobjdump --list-elf when available);
+# 2. pytest -x -q tests/test_cuda_ops.py (on a failure, once more without -x for the full list);
+# 3. the rest of the test suite;
+# 4. compute-sanitizer memcheck and racecheck over the CUDA tests (if compute-sanitizer exists);
+# 5. the GPU benchmarks under benchmarks/ (--device cuda).
+# Every step runs under `timeout` and inside one overall time budget (GPU_CHECK_BUDGET_S,
+# default 360 s): a step that would start after the budget is spent is skipped and listed so.
+# One failing step never stops the others. Logs and summary.txt go to $OUT (default
+# ./gpu_results). The exit status is 0; read summary.txt.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/gpu_results}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+BUDGET=${GPU_CHECK_BUDGET_S:-360}
+START=$(date +%s)
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+PY=${PYTHON:-python}
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+
+elapsed() { echo $(($(date +%s) - START)); }
+left() { echo $((BUDGET - $(elapsed))); }
+
+# step NAME CAP_S CMD... : run CMD under timeout (CAP_S, or what is left of the budget),
+# output to $OUT/NAME.log, one line in the summary.
+step() {
+  local name=$1 cap=$2
+  shift 2
+  local rem
+  rem=$(left)
+  if ((rem < 15)); then
+    printf '%-16s %-22s %5s  %s\n' "SKIPPED" "$name" "-" "(time budget of ${BUDGET}s spent)" | tee -a "$SUMMARY"
+    return 0
+  fi
+  local t=$((cap < rem ? cap : rem)) t0 rc status
+  t0=$(date +%s)
+  # through bash -c so that CMD may be one of the exported functions below
+  timeout --kill-after=15 "$t" bash -c '"$@"' "$name" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  status=PASS
+  if ((rc == 124 || rc == 137)); then status="TIMEOUT(${t}s)"; elif ((rc != 0)); then status="FAIL(rc=$rc)"; fi
+  printf '%-16s %-22s %4ss  %s\n' "$status" "$name" "$(($(date +%s) - t0))" "$OUT/$name.log" | tee -a "$SUMMARY"
+  return $rc
+}
+
+find_tool() {  # find_tool NAME: on PATH, in the CUDA toolkit, or in torch/triton's pip packages
+  local name=$1 c
+  c=$(command -v "$name" 2>/dev/null) && { echo "$c"; return 0; }
+  for c in "${CUDA_HOME:-/usr/local/cuda}/bin/$name" /usr/local/cuda*/bin/"$name" \
+    /usr/local/cuda*/compute-sanitizer/"$name"; do
+    [[ -x $c ]] && { echo "$c"; return 0; }
+  done
+  c=$("$PY" - "$name" 2>/dev/null <<'EOF'
+import glob, os, site, sys
+for s in site.getsitepackages():
+    for hit in glob.glob(os.path.join(s, "**", "bin", sys.argv[1]), recursive=True):
+        print(hit); raise SystemExit
+EOF
+)
+  [[ -n $c ]] && { echo "$c"; return 0; }
+  return 1
+}
+
+export OUT PY
+export -f find_tool
+
+# ---------------------------------------------------------------------------------------------
+environment() {
+  date -u
+  git rev-parse HEAD 2>/dev/null && git status --short 2>/dev/null | head -40
+  nvidia-smi || true
+  command -v nvcc && nvcc --version | tail -2
+  "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available() and torch.cuda.get_device_name(0))'
+  nproc; free -g
+}
+export -f environment
+step environment 30 environment
+
+build() {
+  # An editable install; if pip itself fails before compiling (e.g. no PEP 660 support in
+  # this environment), an in-place build_ext (PYTHONPATH holds the repository root).
+  try_build() {
+    "$PY" -m pip install --no-build-isolation --no-deps -v -e . && return 0
+    grep -qE "Error compiling objects|C\+\+20 or later" "$OUT/build.log" && return 1
+    echo "== pip failed before compiling; building in place with setup.py build_ext --inplace"
+    "$PY" setup.py build_ext --inplace
+  }
+  try_build && return 0
+  # torch >= 2.14 headers require C++20; retry with it if setup.py pins an older standard
+  # (on a throwaway copy of setup.py, restored afterwards).
+  if grep -q "C++20 or later compatible compiler is required" "$OUT/build.log" && grep -q -- "-std=c++17" setup.py; then
+    echo "== retrying with -std=c++20 (setup.py pins -std=c++17, these torch headers need C++20)"
+    cp setup.py "$OUT/setup.py.orig"
+    trap 'cp "$OUT/setup.py.orig" setup.py' EXIT
+    trap 'exit 143' TERM
+    sed -i 's/-std=c++17/-std=c++20/g' setup.py
+    try_build
+    return $?
+  fi
+  return 1
+}
+export -f build
+step build 300 build
+
+check_import() {
+  "$PY" - <<'EOF'
+import glob, os, torch, maskedbranch as mb
+print("maskedbranch from", os.path.dirname(mb.__file__), "WITH_CUDA =", mb.WITH_CUDA)
+from torch._C import _dispatch_has_kernel_for_dispatch_key as has
+for op in ["plan", "gather", "gather_backward", "combine", "combine_backward_ys", "combine_backward_weights", "drop_path_scale"]:
+    print(op, "CUDA kernel:", has("maskedbranch::" + op, "CUDA"))
+x = torch.arange(12.0, device="cuda").view(6, 2)
+plan = mb.make_plan(torch.tensor([1, 0, -1, 1, 0, 0], device="cuda"), 2)
+print("gather:", mb.gather(x, plan).cpu().tolist())
+assert mb.WITH_CUDA
+EOF
+  local cuobjdump
+  if cuobjdump=$(find_tool cuobjdump); then "$cuobjdump" --list-elf maskedbranch/_C*.so; fi
+}
+export -f check_import
+step import 60 check_import
+
+# ---------------------------------------------------------------------------------------------
+if ! step cuda_tests 180 "$PY" -m pytest -x -q -p no:cacheprovider --durations=15 tests/test_cuda_ops.py; then
+  step cuda_tests_all 150 "$PY" -m pytest -q -p no:cacheprovider -rf tests/test_cuda_ops.py
+fi
+
+# The rest of the suite (test_cuda_ops.py ran above); the sanitizers run beside it.
+SANITIZER=$(find_tool compute-sanitizer || true)
+SAN_K="not opcheck and not large"
+if [[ -n $SANITIZER ]]; then
+  # No caching allocator, so out-of-bounds accesses are not hidden inside pooled blocks.
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck 170 "$SANITIZER" --tool memcheck --error-exitcode 17 \
+    --print-limit 50 "$PY" -m pytest -x -q -p no:cacheprovider tests/test_cuda_ops.py -k "$SAN_K" &
+  # Only combine_backward_weights (and ATen's scans in plan) use shared memory.
+  step racecheck 170 "$SANITIZER" --tool racecheck --error-exitcode 17 --print-limit 50 \
+    "$PY" -m pytest -x -q -p no:cacheprovider tests/test_cuda_ops.py \
+    -k "$SAN_K and (combine_backward_weights or deterministic or plan_matches_cpu)" &
+else
+  echo "compute-sanitizer not found" | tee -a "$SUMMARY"
+fi
+step test_suite 200 "$PY" -m pytest -q -p no:cacheprovider -rf tests --ignore=tests/test_cuda_ops.py
+wait
+
+# ---------------------------------------------------------------------------------------------
+mkdir -p "$OUT/bench"
+for bench in benchmarks/*.py; do
+  [[ -e $bench ]] || continue
+  args=()
+  grep -q -- '"--device"' "$bench" && args+=(--device cuda)
+  # shorter runs than the defaults, where the benchmark has the knob
+  grep -q -- '"--draws"' "$bench" && args+=(--draws 6)
+  grep -q -- '"--reps"' "$bench" && args+=(--reps 6)
+  step "bench_$(basename "$bench" .py)" 90 env MASKEDBRANCH_BENCH_OUT="$OUT/bench" "$PY" "$bench" "${args[@]}"
+done
+
+# ---------------------------------------------------------------------------------------------
+{
+  echo
+  echo "total $(elapsed)s (budget ${BUDGET}s)"
+  for log in "$OUT"/*.log; do
+    name=$(basename "$log" .log)
+    if grep -qE "^(FAIL|TIMEOUT)[^ ]* +$name " "$SUMMARY"; then
+      echo
+      echo "==== tail of $name.log ===="
+      tail -40 "$log"
+    fi
+  done
+} >>"$SUMMARY"
+echo
+cat "$SUMMARY"
+exit 0
