@@ -7,6 +7,7 @@ ranks route differently. See DESIGN.md for the semantics and the data flow.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
 from collections import OrderedDict
@@ -185,9 +186,19 @@ def _arg_sig(a: Any, batch: int):
     return type(a)
 
 
+def _autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast casts to on x's device type, or None when autocast is off there."""
+    device_type = x.device.type
+    try:
+        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    except (RuntimeError, TypeError, ValueError):  # a device type without autocast
+        return None
+
+
 def _input_key(x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
     batch = x.shape[0]
-    key = (tuple(x.shape[1:]), x.dtype, x.device)
+    # autocast changes the dtype the branches return, so it is part of the input signature
+    key = (tuple(x.shape[1:]), x.dtype, x.device, _autocast_dtype(x))
     if args:
         key += tuple(_arg_sig(a, batch) for a in args)
     if kwargs:
@@ -199,15 +210,24 @@ def _probe(branch: Callable, x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str,
     """(trailing shape, dtype) of ``branch``'s output for inputs like these, found on meta tensors:
     no compute, no effect on parameters, buffers or random state. None when the branch cannot run
     on meta tensors (data-dependent code, ops without meta kernels, tensors that are not
-    parameters or buffers)."""
+    parameters or buffers). Under autocast the probe runs on fake tensors instead: meta tensors
+    bypass autocast (its kernels dispatch on the tensor's device) and would report the wrong
+    dtype, fake tensors keep x's device."""
+    mode: Any = contextlib.nullcontext()
+    to_probe: Callable[[Tensor], Tensor] = lambda t: t.to("meta")  # noqa: E731
+    if _autocast_dtype(x) is not None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode()
+        to_probe = mode.from_tensor
 
     def meta(a):
-        return a.to("meta") if isinstance(a, Tensor) else a
+        return to_probe(a) if isinstance(a, Tensor) else a
 
     try:
         margs = tuple(meta(a) for a in args)
         mkwargs = {k: meta(v) for k, v in kwargs.items()}
-        with torch.no_grad():
+        with mode, torch.no_grad():
             if isinstance(branch, nn.Module):
                 state = {k: meta(v) for k, v in branch.named_parameters(remove_duplicate=False)}
                 state.update({k: meta(v) for k, v in branch.named_buffers(remove_duplicate=False)})
