@@ -359,7 +359,9 @@ def _host_to(t: Tensor, device: torch.device) -> Tensor:
     if t.device == device:
         return t
     if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
+        if not t.requires_grad:
+            t = t.pin_memory()  # a truly asynchronous copy
+        return t.to(device, non_blocking=True)
     return t.to(device)
 
 
