@@ -47,7 +47,9 @@ class Plan(NamedTuple):
 
 
 def check_device_supported(t: Tensor, name: str) -> None:
-    """A clear error for a CUDA tensor given to a CPU-only build."""
+    """A clear error for a non-tensor, or for a CUDA tensor given to a CPU-only build."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
     if t.is_cuda and not WITH_CUDA:
         raise RuntimeError(
             f"{name}: got a CUDA tensor, but this maskedbranch build has no CUDA kernels (it was "
@@ -110,7 +112,10 @@ def combine(
     entries and zero elsewhere.
     """
     ys = list(ys)
+    if len(ys) != len(plan.counts):
+        raise ValueError(f"ys: expected one output per branch ({len(plan.counts)}), got {len(ys)}")
     for i, y in enumerate(ys):
+        check_device_supported(y, f"ys[{i}]")
         if y.shape[0] != plan.counts[i]:
             raise ValueError(
                 f"ys[{i}]: branch {i} was given {plan.counts[i]} rows but returned {y.shape[0]}; "
@@ -118,8 +123,6 @@ def combine(
             )
     if base is not None:
         check_device_supported(base, "base")
-    for i, y in enumerate(ys):
-        check_device_supported(y, f"ys[{i}]")
     return ops.combine(base, ys, weights, plan.rows, plan.row_offsets, plan.row_branch, plan.row_pos)
 
 
@@ -128,6 +131,12 @@ def anchor(x: Tensor, params: Sequence[Tensor], materialize: bool = False) -> Te
     differentiated: undefined (``materialize=False``; DDP's reducer fills zeros into its
     buckets, no kernel per parameter) or zeros from one batched fill (``materialize=True``; what
     FSDP2 needs, since it reduces only defined gradients)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x: expected a tensor, got {type(x).__name__}")
+    params = list(params)
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"params[{i}]: expected a tensor, got {type(p).__name__}")
     params = [p for p in params if p.requires_grad]
     if not params or not torch.is_grad_enabled():
         return x
