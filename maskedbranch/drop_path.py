@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _ops
-from ._args import route_args
+from ._args import check_per_row_devices, route_args
 
 __all__ = ["drop_path", "DropPath", "drop_add_residual", "ResidualDropPath"]
 
@@ -80,6 +80,24 @@ def _check_x(x: Any, name: str = "x") -> None:
         raise TypeError(f"{name}: expected a tensor, got {type(x).__name__}")
     if x.dim() < 1:
         raise ValueError(f"{name}: expected at least one dimension (the batch first), got a 0-dim tensor")
+
+
+def _check_floating(x: Tensor) -> None:
+    if not x.is_floating_point():
+        raise TypeError(
+            "x: expected a floating-point tensor (float64, float32, float16 or bfloat16) to scale, "
+            f"got dtype {x.dtype}"
+        )
+
+
+def _check_branch_output(y: Any, rows: int, x: Tensor) -> Tensor:
+    if not isinstance(y, Tensor) or tuple(y.shape) != (rows, *x.shape[1:]):
+        got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
+        raise ValueError(
+            f"branch: a residual branch must return a tensor shaped like its input rows "
+            f"({rows}, {', '.join(map(str, x.shape[1:]))}), got {got}"
+        )
+    return y
 
 
 def _draw(n: int, keep_prob: float, generator: Optional[torch.Generator]) -> Tensor:
@@ -135,6 +153,7 @@ def drop_path(
     generator = _check_generator(generator)
     if p == 0.0 or not training:
         return x
+    _check_floating(x)
     keep_prob = 1.0 - p
     scale = _keep_scale(keep_prob, scale_by_keep, x.dtype)
     if mode == "batch":
@@ -224,6 +243,8 @@ def _residual(
 ) -> Tensor:
     if drop_prob == 0.0 or not training:
         return x + branch(x, *args, **kwargs)
+    _check_floating(x)
+    check_per_row_devices(args, kwargs, x)
     keep_prob = 1.0 - drop_prob
     scale = _keep_scale(keep_prob, scale_by_keep, x.dtype)
     batch = x.shape[0]
@@ -231,12 +252,12 @@ def _residual(
     if mode == "batch":
         if not bool(_draw(1, keep_prob, generator)[0]):
             return _skipped(x, branch, params)
-        return torch.add(x, branch(x, *args, **kwargs), alpha=scale)
+        return torch.add(x, _check_branch_output(branch(x, *args, **kwargs), batch, x), alpha=scale)
 
     mask = _draw(batch, keep_prob, generator)
     kept = int(mask.sum())  # a host tensor: no device sync
     if kept == batch:  # nothing dropped: no gather, no plan; add and scale in one pass
-        return torch.add(x, branch(x, *args, **kwargs), alpha=scale)
+        return torch.add(x, _check_branch_output(branch(x, *args, **kwargs), batch, x), alpha=scale)
     if kept == 0:  # everything dropped: the branch does not run
         return _skipped(x, branch, params)
 
@@ -244,13 +265,7 @@ def _residual(
     plan = _ops.make_plan(ids, 1, device=x.device)
     select = _select_rows(plan)
     args, kwargs = route_args(args, kwargs, batch, select)
-    y = branch(select(x), *args, **kwargs)
-    if not isinstance(y, Tensor) or y.shape[1:] != x.shape[1:]:
-        got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
-        raise ValueError(
-            f"branch: a residual branch must return a tensor shaped like its input rows "
-            f"({kept}, {', '.join(map(str, x.shape[1:]))}), got {got}"
-        )
+    y = _check_branch_output(branch(select(x), *args, **kwargs), kept, x)
     base = x
     if y.dtype != x.dtype:  # autocast: a low-precision branch on a float32 residual stream
         dtype = torch.promote_types(x.dtype, y.dtype)
