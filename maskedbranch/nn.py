@@ -282,8 +282,8 @@ def _learn(
     if known is not None and sig is not None and (known[0], known[1]) != sig:
         raise _mismatch(first, sig, f"branches[{known[2]}] (in an earlier call with inputs like these)", known)
     if spec is not None and spec.first_call:
-        # First call: also check the branches that received no rows, on meta tensors.
-        spec.first_call = False
+        # First call: also check the branches that received no rows, on meta tensors. The check
+        # counts as done only once it passed, so that a retry after a mismatch fails again.
         if not torch.compiler.is_compiling():
             for i, branch in enumerate(branches):
                 if i in live:
@@ -295,6 +295,7 @@ def _learn(
                     sig, first = s, i
                 elif s != sig:
                     raise _mismatch(i, s, first, sig)
+        spec.first_call = False
     if sig is None and known is not None:
         return known[0], known[1]
     if sig is None:  # no row reached any branch and the signature is unknown: infer it
