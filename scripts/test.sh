@@ -89,8 +89,10 @@ install_package() {
   note "building and installing maskedbranch (log: $log)"
   if ! env DIST_EXTRA_CONFIG="$cfg" "$@" "$venv/bin/python" -m pip install -v --no-deps \
       --no-build-isolation "$ROOT" > "$log" 2>&1; then
-    echo "!! build failed; last lines of $log:"
-    tail -n 80 "$log"
+    echo "!! build failed; first errors, then the last lines of $log:"
+    grep -m 25 -E '(error|Error)[: ]' "$log" | cut -c 1-400
+    echo "   ..."
+    tail -n 25 "$log"
     return 1
   fi
   # What the build says about itself (setup.py prints the kernels it builds).
@@ -215,7 +217,8 @@ part_b() {
   grep -E 'maskedbranch:|CUDA NVCC flags' "$CMAKE_BUILD_DIR/configure.log" | sed 's/^/   /'
   local t0=$SECONDS
   cmake --build "$CMAKE_BUILD_DIR" -j "$MAX_JOBS" > "$CMAKE_BUILD_DIR/build.log" 2>&1 \
-    || { tail -n 80 "$CMAKE_BUILD_DIR/build.log"; return 1; }
+    || { grep -m 25 -E '(error|Error)[: ]' "$CMAKE_BUILD_DIR/build.log" | cut -c 1-400; echo "   ..."
+         tail -n 25 "$CMAKE_BUILD_DIR/build.log"; return 1; }
   note "build took $((SECONDS - t0)) s"
   if [[ $cuda == ON ]]; then
     check_device_code "$VENV_CUDA" "$CMAKE_BUILD_DIR/libmaskedbranch.so" || return 1
