@@ -24,7 +24,8 @@ when each rank seeds differently, as with timm). For identical draws on every ra
 """
 from __future__ import annotations
 
-import functools
+import math
+import struct
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -118,9 +119,32 @@ def _keep_scale(keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> fl
     return _rounded_inverse(keep_prob, dtype)
 
 
-@functools.lru_cache(maxsize=256)
+def _to_float32(v: float) -> float:
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+@torch.compiler.assume_constant_result  # Dynamo runs it once per (keep_prob, dtype)
 def _rounded_inverse(keep_prob: float, dtype: torch.dtype) -> float:
-    return torch.ones((), dtype=dtype).div_(keep_prob).item()  # a host scalar
+    """``torch.ones((), dtype=dtype).div_(keep_prob).item()`` in plain Python (no tensor, no
+    ``.item()``: torch.compile sees a constant). float32, float16 and bfloat16 tensors divide in
+    float32 by ``float32(keep_prob)``; the float32 quotient is then rounded to the dtype. The
+    quotient of two float32 numbers computed in float64 and rounded to float32 is the correctly
+    rounded float32 quotient (float64 has more than 2 * 24 + 2 bits), so this is exact."""
+    if dtype == torch.float64:
+        return 1.0 / keep_prob
+    q = _to_float32(1.0 / _to_float32(keep_prob))
+    if dtype == torch.float16:  # from float32, as torch rounds (not from the exact quotient)
+        try:
+            return struct.unpack("e", struct.pack("e", q))[0]
+        except OverflowError:  # beyond float16's range
+            return math.inf
+    if dtype == torch.bfloat16:  # round float32 to nearest even on the upper 16 bits
+        bits = struct.unpack("I", struct.pack("f", q))[0]
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return struct.unpack("f", struct.pack("I", bits & 0xFFFFFFFF))[0]
+    if dtype == torch.float32:
+        return q
+    return torch.ones((), dtype=dtype).div_(keep_prob).item()  # other dtypes: ask torch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,14 +179,18 @@ def drop_path(
         return x
     _check_floating(x)
     keep_prob = 1.0 - p
-    scale = _keep_scale(keep_prob, scale_by_keep, x.dtype)
+    scaled = scale_by_keep and keep_prob > 0.0
+    # The factors are made as timm and torchvision make them (a 0/1 mask of x's dtype divided by
+    # keep_prob), on the host: the same values bit for bit, and no data-dependent Python.
     if mode == "batch":
-        kept = bool(_draw(1, keep_prob, generator)[0])  # a host tensor: no device sync
-        return x * (scale if kept else 0.0)
-    mask = _draw(x.shape[0], keep_prob, generator).to(_opmath(x.dtype))
-    if scale != 1.0:
-        mask.mul_(scale)  # exact: 0 or scale
-    (mask,) = _ops._ship([mask], x.device)
+        noise = _draw(1, keep_prob, generator).to(x.dtype).reshape(())
+        if scaled:
+            noise.div_(keep_prob)
+        return x * noise  # a 0-dim host tensor is read on the host: no device sync
+    mask = _draw(x.shape[0], keep_prob, generator).to(x.dtype)
+    if scaled:
+        mask.div_(keep_prob)
+    (mask,) = _ops._ship([mask.to(_opmath(x.dtype))], x.device)
     return _ops.drop_path_scale(x, mask)
 
 
@@ -229,6 +257,21 @@ def _skipped(x: Tensor, branch: Callable, params: Optional[Iterable[Tensor]]) ->
     return _ops.anchor(x, _branch_params(branch, params)).clone()
 
 
+@torch.compiler.disable
+def _row_plan(
+    batch: int, keep_prob: float, generator: Optional[torch.Generator], device: torch.device
+) -> Tuple[int, Optional[_ops.Plan]]:
+    """Draw the row mask on the host and build the routing plan of the kept rows (None when all
+    or none are kept). The kept count decides what runs: data-dependent Python, so under
+    torch.compile this helper is the one graph break of a row-mode call."""
+    mask = _draw(batch, keep_prob, generator)
+    kept = int(mask.sum())  # a host tensor: no device sync
+    if kept == batch or kept == 0:
+        return kept, None
+    ids = mask.to(torch.int64).sub_(1)  # 0 = kept (branch 0), -1 = dropped
+    return kept, _ops.make_plan(ids, 1, device=device)
+
+
 def _residual(
     x: Tensor,
     branch: Callable,
@@ -254,15 +297,12 @@ def _residual(
             return _skipped(x, branch, params)
         return torch.add(x, _check_branch_output(branch(x, *args, **kwargs), batch, x), alpha=scale)
 
-    mask = _draw(batch, keep_prob, generator)
-    kept = int(mask.sum())  # a host tensor: no device sync
+    kept, plan = _row_plan(batch, keep_prob, generator, x.device)
     if kept == batch:  # nothing dropped: no gather, no plan; add and scale in one pass
         return torch.add(x, _check_branch_output(branch(x, *args, **kwargs), batch, x), alpha=scale)
     if kept == 0:  # everything dropped: the branch does not run
         return _skipped(x, branch, params)
 
-    ids = mask.to(torch.int64).sub_(1)  # 0 = kept (branch 0), -1 = dropped
-    plan = _ops.make_plan(ids, 1, device=x.device)
     select = _select_rows(plan)
     args, kwargs = route_args(args, kwargs, batch, select)
     y = _check_branch_output(branch(select(x), *args, **kwargs), kept, x)

@@ -195,6 +195,30 @@ def test_drop_path_module_is_a_timm_drop_in():
     assert "mode=batch" in repr(mb.DropPath(0.2, mode="batch"))
 
 
+def test_keep_scale_rounds_like_torch():
+    # the factor of kept rows is computed in Python (a constant for torch.compile); it must equal
+    # torch's own rounding of 1 / keep_prob in each dtype, the value timm and torchvision use
+    g = torch.Generator().manual_seed(0)
+    keeps = torch.rand(3000, generator=g, dtype=torch.float64).tolist()
+    keeps += (torch.rand(300, generator=g, dtype=torch.float64) * 1e-4).tolist()
+    keeps += [1.0, 0.5, 0.9, 0.75, 1 / 3, 2.0**-53, 1e-5, 9.002520605120974e-05]
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for k in keeps:
+            if k == 0.0:
+                continue
+            want = torch.ones((), dtype=dtype).div_(k).item()
+            got = dp_mod._rounded_inverse(k, dtype)
+            assert got == want or (math.isinf(got) and math.isinf(want)), (dtype, k, got, want)
+
+
+def test_drop_path_tiny_keep_float16_no_nan():
+    # 1 / keep_prob overflows float16: kept rows become inf as in timm, dropped ones stay 0
+    x = torch.ones(64, 3, dtype=torch.float16)
+    for mode in ("row", "batch"):
+        out = mb.drop_path(x, 1 - 1e-6, True, mode=mode, generator=gen(0))
+        assert not out.isnan().any()
+
+
 def test_drop_path_identity_and_drop_all():
     x = torch.randn(5, 3)
     assert mb.drop_path(x, 0.5) is x  # training defaults to False, as in timm
