@@ -323,13 +323,14 @@ def _params_of(branch: Callable) -> List[Tensor]:
     return list(branch.parameters()) if isinstance(branch, nn.Module) else []
 
 
-def _anchor_dead(out: Tensor, branches: Sequence[Callable], live, materialize: bool) -> Tensor:
+def _anchor_dead(out: Tensor, branches: Sequence[Callable], live, materialize: bool, extra: Sequence[Tensor] = ()) -> Tensor:
     if not torch.is_grad_enabled():
         return out  # no graph: nothing to anchor
     live_ids = set()
     for i in live:
         live_ids.update(id(p) for p in _params_of(branches[i]))
-    params, seen = [], set()
+    params = [t for t in extra if t.requires_grad]
+    seen = {id(t) for t in params}
     for i, branch in enumerate(branches):
         if i in live:
             continue
@@ -386,8 +387,12 @@ def _forward(
         out = _check_output(branches[gate](x, *args, **kwargs), gate, x.shape[0])
         _learn(spec, key, {gate: out}, branches, x, args, kwargs)
         return _anchor_dead(out, branches, (gate,), materialize)
-    if kind == "int":  # -1: no row reaches any branch
-        gate = torch.full((x.shape[0],), -1, dtype=torch.int64)
+    if kind == "int":
+        # -1: no row reaches any branch. Zeros shaped like the branches' output, no plan; x is
+        # anchored like the parameters, so whatever produced it still gets its hooks called.
+        trailing, dtype = _learn(spec, key, {}, branches, x, args, kwargs)
+        out = torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
+        return _anchor_dead(out, branches, (), materialize, extra=(x,))
 
     plan = _ops.make_plan(gate, n, device=x.device)  # host counts; a device gate reads back once
     counts = plan.counts
@@ -496,8 +501,10 @@ class MaskedBranch(nn.Module):
     When no row reaches any branch the output is zeros ``[B, *trailing]``; the trailing shape and
     dtype are those the branches returned in an earlier call with inputs of the same trailing
     shapes and dtypes, or, if there was none, are inferred by running a branch on meta tensors
-    (no compute, no effect on parameters, buffers or random state). ``x`` stays in the graph
-    with a zero gradient. On the first call the branches that got no rows are also run on meta
+    (no compute, no effect on parameters, buffers or random state). ``x`` stays in the graph, so
+    whatever produced it still gets gradients: a zero gradient through the routing for tensor
+    gates; for an int gate of -1 (no plan at all) it is anchored like the parameters (undefined
+    gradient, or zeros with ``materialize_grads``). On the first call the branches that got no rows are also run on meta
     tensors to check that all branches agree in trailing shape and dtype.
     """
 

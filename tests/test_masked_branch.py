@@ -292,19 +292,33 @@ def test_no_live_row(kind, first_call):
     assert out.shape == (B, D_OUT) and out.dtype == torch.float64  # shape from the branches, not x
     assert torch.count_nonzero(out) == 0
     assert all_params_in_graph(out, list(m.parameters()))
+    assert all_params_in_graph(out, [x])  # x stays in the graph
     out.backward(torch.randn_like(out))
-    assert x.grad is not None and torch.count_nonzero(x.grad) == 0  # x stays in the graph
+    if kind == "int":  # no plan: x is anchored like the parameters (undefined gradient)
+        assert x.grad is None
+    else:  # a zero gradient through the routing
+        assert x.grad is not None and torch.count_nonzero(x.grad) == 0
     if kind == "weights":
         assert torch.count_nonzero(gate.grad) == 0
     assert all(p.grad is None for p in m.parameters())
 
 
-def test_no_live_row_upstream_parameters_get_gradients():
+@pytest.mark.parametrize("gate", [-1, torch.full((B,), -1)], ids=["int", "ids"])
+@pytest.mark.parametrize("materialize", [False, True])
+def test_no_live_row_upstream_parameters_get_gradients(gate, materialize):
     """Whatever produced x keeps receiving gradients when no row reaches a branch (DDP needs it)."""
     pre = nn.Linear(3, D_IN).double()
-    m = MaskedBranch(make_branches())
-    out = m(pre(torch.randn(B, 3, dtype=torch.float64)), torch.full((B,), -1))
+    m = MaskedBranch(make_branches(), materialize_grads=materialize)
+    fired = []
+    for p in pre.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    out = m(pre(torch.randn(B, 3, dtype=torch.float64)), gate)
     assert all_params_in_graph(out, list(pre.parameters()) + list(m.parameters()))
+    out.sum().backward()
+    for p in pre.parameters():
+        assert p.grad is None or torch.count_nonzero(p.grad) == 0
+    if materialize or not isinstance(gate, int):
+        assert len(fired) == 2 and all(torch.count_nonzero(p.grad) == 0 for p in pre.parameters())
 
 
 def test_empty_batch():
