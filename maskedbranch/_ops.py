@@ -11,6 +11,7 @@ The ops, in the order data flows through a masked layer (see DESIGN.md):
 """
 from __future__ import annotations
 
+import math
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
@@ -277,7 +278,9 @@ def _drop_path_scale_backward(ctx, grad):
     grad_y = ops.drop_path_scale(None, grad, scale) if ctx.needs_input_grad[1] else None
     grad_scale = None
     if ctx.needs_input_grad[2]:  # rare: a learnable per-row scale
-        grad_scale = (grad.float() * y.float()).flatten(1).sum(1).to(scale.dtype)
+        acc = torch.promote_types(torch.promote_types(grad.dtype, y.dtype), torch.float32)  # float64 stays float64
+        per_row = math.prod(grad.shape[1:])  # 1 for a 1-D y
+        grad_scale = (grad.to(acc) * y.to(acc)).reshape(grad.shape[0], per_row).sum(1).to(scale.dtype)
     return grad_base, grad_y, grad_scale
 
 
