@@ -249,12 +249,13 @@ def _select_rows(plan: _ops.Plan) -> Callable[[Tensor], Tensor]:
     return select
 
 
-def _skipped(x: Tensor, branch: Callable, params: Optional[Iterable[Tensor]]) -> Tensor:
+def _skipped(x: Tensor, branch: Callable, params: Optional[Iterable[Tensor]], materialize: bool = False) -> Tensor:
     """``x`` when the branch does not run at all: the branch's parameters are tied into the
-    graph (DDP's hooks fire and fill zeros for them). ``anchor`` returns a view of its input;
-    the clone gives callers a fresh tensor (as ``x + 0 * branch(x)`` would) that they may
-    modify in place, e.g. with ``relu_``."""
-    return _ops.anchor(x, _branch_params(branch, params)).clone()
+    graph, with undefined gradients (DDP's hooks fire and fill zeros for them) or, with
+    ``materialize``, zero tensors (what FSDP2 and DDP's ``static_graph`` need). ``anchor``
+    returns a view of its input; the clone gives callers a fresh tensor (as
+    ``x + 0 * branch(x)`` would) that they may modify in place, e.g. with ``relu_``."""
+    return _ops.anchor(x, _branch_params(branch, params), materialize).clone()
 
 
 @torch.compiler.disable
@@ -283,6 +284,7 @@ def _residual(
     scale_by_keep: bool,
     generator: Optional[torch.Generator],
     params: Optional[Iterable[Tensor]],
+    materialize: bool = False,
 ) -> Tensor:
     if drop_prob == 0.0 or not training:
         return x + branch(x, *args, **kwargs)
@@ -294,14 +296,14 @@ def _residual(
 
     if mode == "batch":
         if not bool(_draw(1, keep_prob, generator)[0]):
-            return _skipped(x, branch, params)
+            return _skipped(x, branch, params, materialize)
         return torch.add(x, _check_branch_output(branch(x, *args, **kwargs), batch, x), alpha=scale)
 
     kept, plan = _row_plan(batch, keep_prob, generator, x.device)
     if kept == batch:  # nothing dropped: no gather, no plan; add and scale in one pass
         return torch.add(x, _check_branch_output(branch(x, *args, **kwargs), batch, x), alpha=scale)
     if kept == 0:  # everything dropped: the branch does not run
-        return _skipped(x, branch, params)
+        return _skipped(x, branch, params, materialize)
 
     select = _select_rows(plan)
     args, kwargs = route_args(args, kwargs, batch, select)
@@ -328,6 +330,7 @@ def drop_add_residual(
     args: Sequence[Any] = (),
     kwargs: Optional[Dict[str, Any]] = None,
     params: Optional[Iterable[Tensor]] = None,
+    materialize_grads: bool = False,
 ) -> Tensor:
     """``x + drop_path(branch(x), drop_prob, training, scale_by_keep, mode)``, computing the
     branch only where it counts.
@@ -338,8 +341,10 @@ def drop_add_residual(
     * ``"batch"``: the branch runs on the whole batch or not at all.
 
     When the branch does not run, its parameters (``branch.parameters()`` for a module or a
-    bound method of one, else ``params``) still receive a gradient (undefined, which
-    DistributedDataParallel fills with zeros), so ``find_unused_parameters=False`` works.
+    bound method of one, else ``params``) still receive a gradient, so DistributedDataParallel
+    with ``find_unused_parameters=False`` works: undefined (DDP fills zeros; no kernel per
+    parameter), or zero tensors with ``materialize_grads=True`` (for FSDP2, which reduces only
+    defined gradients, and DDP with ``static_graph=True``).
     ``args`` / ``kwargs`` are passed to the branch; tensors whose first dimension is the batch
     are routed with ``x`` (only the kept rows reach the branch).
 
@@ -353,7 +358,10 @@ def drop_add_residual(
     generator = _check_generator(generator)
     if not callable(branch):
         raise TypeError(f"branch: expected a callable (a module or a function), got {type(branch).__name__}")
-    return _residual(x, branch, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator, params)
+    return _residual(
+        x, branch, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator, params,
+        bool(materialize_grads),
+    )
 
 
 def _runs_collectives(module: nn.Module) -> Optional[str]:
@@ -371,7 +379,9 @@ class ResidualDropPath(nn.Module):
     Extra positional / keyword tensors whose first dimension is the batch are routed with ``x``
     (an attention mask, per-sample conditioning); other arguments pass through unchanged.
     ``generator`` (keyword only): an optional CPU ``torch.Generator`` for the masks; seed it
-    identically on every rank for identical draws across ranks.
+    identically on every rank for identical draws across ranks. ``materialize_grads`` (keyword
+    only): a skipped branch's parameters get zero tensors rather than undefined gradients (for
+    FSDP2 and DDP's ``static_graph=True``; plain DDP fills the undefined ones itself).
 
     Branches that run collectives (``SyncBatchNorm``) cannot be skipped on one rank while the
     others run them (the collective would hang); they are refused in training with
@@ -386,6 +396,7 @@ class ResidualDropPath(nn.Module):
         scale_by_keep: bool = True,
         *,
         generator: Optional[torch.Generator] = None,
+        materialize_grads: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(branch, nn.Module):
@@ -395,6 +406,7 @@ class ResidualDropPath(nn.Module):
         self.mode = _check_mode(mode)
         self.scale_by_keep = scale_by_keep
         self.generator = _check_generator(generator)
+        self.materialize_grads = bool(materialize_grads)
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         p = _check_drop_prob(self.drop_prob)
@@ -409,7 +421,8 @@ class ResidualDropPath(nn.Module):
             )
         _check_x(x)
         return _residual(
-            x, self.branch, args, kwargs, p, self.training, self.mode, self.scale_by_keep, self.generator, None
+            x, self.branch, args, kwargs, p, self.training, self.mode, self.scale_by_keep, self.generator, None,
+            self.materialize_grads,
         )
 
     def extra_repr(self) -> str:

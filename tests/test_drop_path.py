@@ -444,6 +444,19 @@ def test_fast_path_everything_dropped(monkeypatch, mode):
     assert fired == set()
 
 
+@pytest.mark.parametrize("mode", ["row", "batch"])
+def test_everything_dropped_materialized_grads(mode):
+    branch = CountingBranch()
+    x = torch.randn(6, 4, requires_grad=True)
+    mb.drop_add_residual(x, branch, 1.0, True, mode, materialize_grads=True).sum().backward()
+    assert branch.rows == []
+    for p in branch.parameters():  # zero tensors, not None (FSDP2 reduces defined gradients only)
+        assert p.grad is not None and torch.count_nonzero(p.grad) == 0
+    block = mb.ResidualDropPath(CountingBranch(), 1.0, mode, materialize_grads=True)
+    block(x).sum().backward()
+    assert all(p.grad is not None for p in block.parameters())
+
+
 def test_partial_rows_run_branch_on_kept_rows_only():
     branch = CountingBranch()
     x = torch.randn(32, 4)
