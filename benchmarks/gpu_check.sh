@@ -4,11 +4,13 @@
 # 1. builds the extension in place (editable install, TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16)
 #    and checks that the CUDA kernels load (cuobjdump --list-elf when available);
 # 2. pytest -x -q tests/test_cuda_ops.py (on a failure, once more without -x for the full list);
-# 3. the rest of the test suite;
-# 4. compute-sanitizer memcheck and racecheck over the CUDA tests (if compute-sanitizer exists);
-# 5. the GPU benchmarks under benchmarks/ (--device cuda).
+# 3. the effective bandwidth of each kernel against a plain copy (inline, a few seconds);
+# 4. side by side: the rest of the test suite, and compute-sanitizer memcheck and racecheck over
+#    the CUDA tests (when compute-sanitizer exists);
+# 5. the GPU benchmarks under benchmarks/ (--device cuda, fewer repetitions than their default).
 # Every step runs under `timeout` and inside one overall time budget (GPU_CHECK_BUDGET_S,
-# default 360 s): a step that would start after the budget is spent is skipped and listed so.
+# default 360 s; the build alone is capped at GPU_CHECK_BUILD_S, default 300 s): a step that
+# would start after the budget is spent is skipped and listed so.
 # One failing step never stops the others. Logs and summary.txt go to $OUT (default
 # ./gpu_results). The exit status is 0; read summary.txt.
 set -uo pipefail
@@ -89,8 +91,9 @@ build() {
   # An editable install; if pip itself fails before compiling (e.g. no PEP 660 support in
   # this environment), an in-place build_ext (PYTHONPATH holds the repository root).
   try_build() {
-    "$PY" -m pip install --no-build-isolation --no-deps -v -e . && return 0
-    grep -qE "Error compiling objects|C\+\+20 or later" "$OUT/build.log" && return 1
+    "$PY" -m pip install --no-build-isolation --no-deps -v -e . 2>&1 | tee "$OUT/build_attempt.log"
+    ((PIPESTATUS[0] == 0)) && return 0
+    grep -qE "Error compiling objects|C\+\+20 or later" "$OUT/build_attempt.log" && return 1
     echo "== pip failed before compiling; building in place with setup.py build_ext --inplace"
     "$PY" setup.py build_ext --inplace
   }
@@ -109,10 +112,10 @@ build() {
   return 1
 }
 export -f build
-step build 300 build
+step build "${GPU_CHECK_BUILD_S:-300}" build
 
 check_import() {
-  "$PY" - <<'EOF'
+  "$PY" - <<'EOF' || return 1
 import glob, os, torch, maskedbranch as mb
 print("maskedbranch from", os.path.dirname(mb.__file__), "WITH_CUDA =", mb.WITH_CUDA)
 from torch._C import _dispatch_has_kernel_for_dispatch_key as has
@@ -133,6 +136,62 @@ step import 60 check_import
 if ! step cuda_tests 180 "$PY" -m pytest -x -q -p no:cacheprovider --durations=15 tests/test_cuda_ops.py; then
   step cuda_tests_all 150 "$PY" -m pytest -q -p no:cacheprovider -rf tests/test_cuda_ops.py
 fi
+
+# Effective bandwidth of every kernel against a plain device copy (x.clone()), alone on the GPU.
+kernel_bandwidth() {
+  "$PY" - <<'PYEOF'
+import torch, maskedbranch as mb
+ops = torch.ops.maskedbranch
+
+def bench(fn, reps=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b.record(); b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+print(torch.cuda.get_device_name(0))
+print(f"{'dtype':>9} {'B':>6} {'D':>6} {'N':>3} {'op':<26} {'ms':>8} {'GB/s':>8} {'vs copy':>8}")
+for dtype in (torch.float32, torch.bfloat16):
+    for B, D, N in ((32768, 1024, 4), (65536, 96, 2), (4096, 4099, 8)):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(B, D, device="cuda", dtype=dtype, generator=g)
+        gate = torch.rand(B, N, device="cuda", generator=g)
+        gate = torch.where(gate < 0.6, torch.zeros_like(gate), gate)
+        plan = mb.make_plan(gate, N)
+        M = plan.num_entries
+        packed = mb.gather(x, plan)
+        ys = mb.split_packed(packed, plan)
+        w = gate.to(dtype)
+        grad = torch.randn_like(x)
+        scale = (torch.rand(B, device="cuda", generator=g) < 0.8).float() / 0.8
+        e = x.element_size()
+        cases = [  # name, fn, bytes moved
+            ("copy (x.clone())", lambda: x.clone(), 2 * B * D * e),
+            ("plan (device gate)", lambda: ops.plan(gate, N), B * N * 4),
+            ("gather", lambda: ops.gather(x, plan.rows, plan.row_offsets, plan.row_pos), 2 * M * D * e),
+            ("gather_backward", lambda: ops.gather_backward(packed, plan.row_offsets, plan.row_pos), (M + B) * D * e),
+            ("combine (base, weights)",
+             lambda: ops.combine(x, ys, w, plan.rows, plan.row_offsets, plan.row_branch, plan.row_pos), (M + 2 * B) * D * e),
+            ("combine_backward_ys", lambda: ops.combine_backward_ys(grad, w, plan.rows, plan.counts), 2 * M * D * e),
+            ("combine_backward_weights",
+             lambda: ops.combine_backward_weights(grad, ys, plan.row_offsets, plan.row_branch, plan.row_pos, dtype), 2 * M * D * e),
+            ("drop_path_scale (base)", lambda: ops.drop_path_scale(x, grad, scale), 3 * B * D * e),
+        ]
+        copy_bw = None
+        for name, fn, nbytes in cases:
+            t = bench(fn)
+            bw = nbytes / t / 1e9
+            copy_bw = copy_bw or bw
+            print(f"{str(dtype)[6:]:>9} {B:>6} {D:>6} {N:>3} {name:<26} {t * 1e3:8.3f} {bw:8.0f} {bw / copy_bw:8.2f}")
+PYEOF
+}
+export -f kernel_bandwidth
+step kernel_bandwidth 90 kernel_bandwidth
 
 # The rest of the suite (test_cuda_ops.py ran above); the sanitizers run beside it.
 SANITIZER=$(find_tool compute-sanitizer || true)

@@ -79,10 +79,11 @@ inline unsigned grid_1d(int64_t n) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Row tiling. A block is tx x ty threads: tx (a power of two up to kThreads) threads along a
-// row, ty rows side by side, so that short rows still fill a block. blockIdx.x selects a
-// chunk of tx * kUnroll vectors of the row, blockIdx.y (grid-stride) a group of ty rows.
-// Each thread handles at most kUnroll vectors per row: columns first + u * tx, u < kUnroll.
+// Row tiling. A block is tx x ty threads: tx threads along a row (the largest power of two
+// not above the row's vector count, at most kThreads, so no thread of a row idles), ty rows
+// side by side, so that short rows still fill a block. blockIdx.x selects a chunk of
+// tx * kUnroll vectors of the row, blockIdx.y (grid-stride) a group of ty rows. Each thread
+// handles at most kUnroll vectors per row: columns first + u * tx, u < kUnroll.
 
 struct RowTiling {
   dim3 grid;
@@ -92,7 +93,7 @@ struct RowTiling {
 
 inline RowTiling row_tiling(int64_t rows, int64_t row_vecs) {
   int tx = 1;
-  while (tx < kThreads && tx < row_vecs) tx <<= 1;
+  while (tx < kThreads && 2 * int64_t(tx) <= row_vecs) tx <<= 1;
   const int ty = kThreads / tx;
   const int64_t chunk = int64_t(tx) * kUnroll;
   const int64_t gx = ceil_div(row_vecs, chunk);
