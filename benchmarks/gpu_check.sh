@@ -7,7 +7,8 @@
 # 3. the effective bandwidth of each kernel against a plain copy (inline, a few seconds);
 # 4. side by side: the rest of the test suite, and compute-sanitizer memcheck and racecheck over
 #    the CUDA tests (when compute-sanitizer exists);
-# 5. the GPU benchmarks under benchmarks/ (--device cuda, fewer repetitions than their default).
+# 5. the GPU benchmarks: `python -m benchmarks --quick --device cuda` when benchmarks/ is a package,
+#    else every benchmarks/bench_*.py with --device cuda (fewer repetitions than their default).
 # Every step runs under `timeout` and inside one overall time budget (GPU_CHECK_BUDGET_S,
 # default 360 s; the build alone is capped at GPU_CHECK_BUILD_S, default 300 s): a step that
 # would start after the budget is spent is skipped and listed so.
@@ -212,15 +213,24 @@ wait
 
 # ---------------------------------------------------------------------------------------------
 mkdir -p "$OUT/bench"
-for bench in benchmarks/*.py; do
-  [[ -e $bench ]] || continue
+if [[ -f benchmarks/__main__.py ]]; then
+  # The benchmark package: python -m benchmarks [--quick] [--device cuda] [--out DIR]
   args=()
-  grep -q -- '"--device"' "$bench" && args+=(--device cuda)
-  # shorter runs than the defaults, where the benchmark has the knob
-  grep -q -- '"--draws"' "$bench" && args+=(--draws 6)
-  grep -q -- '"--reps"' "$bench" && args+=(--reps 6)
-  step "bench_$(basename "$bench" .py)" 90 env MASKEDBRANCH_BENCH_OUT="$OUT/bench" "$PY" "$bench" "${args[@]}"
-done
+  grep -q -- '"--device"' benchmarks/__main__.py && args+=(--device cuda)
+  grep -q -- '"--quick"' benchmarks/__main__.py && args+=(--quick)
+  grep -q -- '"--out"' benchmarks/__main__.py && args+=(--out "$OUT/bench")
+  step benchmarks 180 "$PY" -m benchmarks "${args[@]}"
+else
+  for bench in benchmarks/bench_*.py; do
+    [[ -e $bench ]] || continue
+    args=()
+    grep -q -- '"--device"' "$bench" && args+=(--device cuda)
+    # shorter runs than the defaults, where the benchmark has the knob
+    grep -q -- '"--draws"' "$bench" && args+=(--draws 6)
+    grep -q -- '"--reps"' "$bench" && args+=(--reps 6)
+    step "bench_$(basename "$bench" .py)" 90 env MASKEDBRANCH_BENCH_OUT="$OUT/bench" "$PY" "$bench" "${args[@]}"
+  done
+fi
 
 # ---------------------------------------------------------------------------------------------
 {
