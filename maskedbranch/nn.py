@@ -356,6 +356,48 @@ def _pack(t: Tensor, plan: _ops.Plan) -> Tensor:
     return t.index_select(0, plan.rows)  # ids, masks: no gradient
 
 
+def _alias_rows(packed: Tensor, start: int, count: int) -> Tensor:
+    """Rows [start, start + count) of ``packed`` as a tensor of its own: same memory, but not a
+    view (no shared version counter), so a branch may modify its input in place."""
+    out = packed.new_empty(0)
+    return out.set_(
+        packed.untyped_storage(),
+        packed.storage_offset() + start * packed.stride(0),
+        (count, *packed.shape[1:]),
+        packed.stride(),
+    )
+
+
+class _GatherSplit(torch.autograd.Function):
+    """gather + split: one kernel packs every branch's rows, each branch gets its slice as a
+    tensor of its own. Backward: one combine reads the branches' input gradients where they are
+    (a list, never concatenated) and sums them back to rows (CSR by row: deterministic)."""
+
+    @staticmethod
+    def forward(ctx, x, rows, row_offsets, row_branch, row_pos, counts):
+        packed = _ops.ops.gather(x, rows, row_offsets, row_pos)
+        ctx.save_for_backward(rows, row_offsets, row_branch, row_pos)
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        return tuple(_alias_rows(packed, s, c) for s, c in zip(starts, counts))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        rows, row_offsets, row_branch, row_pos = ctx.saved_tensors
+        grad_x = _ops.ops.combine(None, list(grads), None, rows, row_offsets, row_branch, row_pos)
+        return grad_x, None, None, None, None, None
+
+
+def _route_rows(t: Tensor, plan: _ops.Plan, name: str = "x") -> List[Tensor]:
+    """Each branch's rows of ``t`` (x or a per-row argument), in the plan's order."""
+    if t.is_floating_point() and not torch.compiler.is_compiling():
+        _ops.check_device_supported(t, name)
+        return list(_GatherSplit.apply(t, plan.rows, plan.row_offsets, plan.row_branch, plan.row_pos, plan.counts))
+    return _ops.split_packed(_pack(t, plan), plan)  # (traced: views of one packed buffer)
+
+
 def _host_to(t: Tensor, device: torch.device) -> Tensor:
     """Ship a host tensor to ``device`` without blocking the host (differentiable)."""
     if t.device == device:
@@ -407,11 +449,8 @@ def _forward(
                 _learn(spec, key, {i: out}, branches, x, args, kwargs)
                 return _anchor_dead(out, branches, (i,), materialize)
 
-    packed = _pack(x, plan)
-    xs = _ops.split_packed(packed, plan)
-    routed_args, routed_kwargs = route_args(
-        args, kwargs, batch, lambda t: _Split(_ops.split_packed(_pack(t, plan), plan))
-    )
+    xs = _route_rows(x, plan)
+    routed_args, routed_kwargs = route_args(args, kwargs, batch, lambda t: _Split(_route_rows(t, plan, "a per-row argument")))
 
     live: Dict[int, Tensor] = {}
     for i, c in enumerate(counts):
@@ -426,10 +465,10 @@ def _forward(
     for i in range(n):
         if i in live:
             ys.append(live[i])
-        elif not live and i == 0 and packed.requires_grad:
+        elif not live and i == 0 and xs[0].requires_grad:
             # No row reaches any branch: keep x in the graph (its gradient is zero) so that
             # whatever produced x still gets gradients on this rank.
-            ys.append(packed.reshape((0, *trailing)).to(dtype))
+            ys.append(xs[0].reshape((0, *trailing)).to(dtype))
         else:
             ys.append(torch.empty((0, *trailing), dtype=dtype, device=x.device))
     if weights is not None:

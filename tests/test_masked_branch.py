@@ -555,6 +555,33 @@ def test_branch_changing_between_calls():
         m(x, 0)
 
 
+@pytest.mark.parametrize("kind", ["ids", "mask", "weights"])
+def test_branches_modifying_their_input_in_place(kind):
+    """Each branch gets its rows as a tensor of its own: in-place ops on it (a leading
+    ReLU(inplace=True)) neither fail nor disturb the other branches' saved inputs."""
+    torch.manual_seed(0)
+    branches = [
+        nn.Sequential(nn.ReLU(inplace=True), nn.Linear(D_IN, D_OUT)).double(),
+        nn.Linear(D_IN, D_OUT).double(),
+        nn.Sequential(nn.Tanh(), nn.Linear(D_IN, D_OUT)).double(),
+    ]
+    m = MaskedBranch(branches)
+    g = torch.Generator().manual_seed(5)
+    gate = {
+        "ids": torch.arange(B) % N,
+        "mask": torch.rand(B, N, generator=g) < 0.6,
+        "weights": torch.rand(B, N, generator=g, dtype=torch.float64),
+    }[kind]
+    x = torch.randn(B, D_IN, dtype=torch.float64, requires_grad=True)
+    out = m(x + 0, gate)
+    x2 = x.detach().clone().requires_grad_(True)
+    ref = reference.masked_branch_ifelse(list(m.branches), x2 + 0, gate)
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
 def test_inplace_on_output():
     """In-place ops on the output (e.g. nn.ReLU(inplace=True) after it) hit autograd's rule for
     views made inside a custom Function when a branch was anchored."""
