@@ -60,7 +60,9 @@ def torch_nvidia_includes():
 
 def extension():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    cxx_flags = ["-O3", "-std=c++17"]
+    # No -std flag: cpp_extension adds the standard the installed torch needs (C++17 up to
+    # torch 2.13, C++20 from 2.14).
+    cxx_flags = ["-O3"]
     cuda_home = find_cuda_home()
     if not want_cuda(cuda_home):
         print("maskedbranch: building CPU kernels only (no CUDA build of torch or no nvcc found)")
@@ -80,7 +82,7 @@ def extension():
         sources,
         include_dirs=torch_nvidia_includes(),
         define_macros=[("MASKEDBRANCH_WITH_CUDA", "1")],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
     )
 
 
