@@ -75,7 +75,8 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         mod = importlib.import_module(f"benchmarks.suite_{s}")
         for t in mod.run(args):
-            t["suite"], t["command"] = s, f"{command.strip()}".replace(f"--only {args.only}", "") + f" --only {s}"
+            t["suite"] = s
+            t["command"] = " ".join(w for w in command.replace(f"--only {args.only}", "").split()) + f" --only {s}"
             tables.append(t)
             print(f"\n### {t['title']}\n", flush=True)
         walls[s] = time.perf_counter() - t0

@@ -9,6 +9,10 @@ repetition on the host; forward and forward+backward; peak memory of forward+bac
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file (e.g. by a loop over benchmarks/*.py)
+    print("run the suite as a module: python -m benchmarks --only <suite>")
+    raise SystemExit(0)
+
 import torch
 
 from . import interleaved, med, paired, peak_memory, table
@@ -69,8 +73,9 @@ def _contenders(model, x, grad_out, ctx, backward):
 
 def run(cfg) -> list:
     device, dtype = torch.device(cfg.device), torch.float32
-    d = 64 if cfg.quick else 256
-    batches = [1024] if cfg.quick else [1024, 4096, 16384]
+    gpu = device.type == "cuda"
+    d = 64 if cfg.quick and not gpu else 256
+    batches = ([4096, 16384] if gpu else [1024]) if cfg.quick else [1024, 4096, 16384]
     reps, warmup = (3, 1) if cfg.quick else (15, 2)
     rows_t, rows_m = [], []
     configs = [(n, r, b) for n in (2, 4, 8) for r in ("uniform", "skewed") for b in batches]
