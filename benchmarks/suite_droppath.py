@@ -71,8 +71,8 @@ def _subset(branch):
 
 def run(cfg) -> list:
     device = torch.device(cfg.device)
-    B, T, C = ((64, 197, 384) if device.type == "cuda" else (32, 16, 64)) if cfg.quick else ((128, 197, 384) if device.type == "cuda" else (64, 64, 256))
-    reps, warmup = (7, 1) if cfg.quick else (15, 2)
+    B, T, C = ((64, 197, 384) if device.type == "cuda" else (64, 32, 128)) if cfg.quick else ((128, 197, 384) if device.type == "cuda" else (64, 64, 256))
+    reps, warmup = (11, 1) if cfg.quick else (15, 2)
     torch.manual_seed(0)
     branch = make_branch(C, 4 * C, device, torch.float32)
     ours_mod = ResidualDropPath(branch)

@@ -19,7 +19,7 @@ from . import interleaved, med, table
 
 def run(cfg) -> list:
     device = torch.device(cfg.device)
-    sizes = ([16, 64, 256] if device.type == "cuda" else [4, 16]) if cfg.quick else ([16, 64, 256] if device.type == "cuda" else [4, 16, 64])
+    sizes = ([16, 64, 256] if device.type == "cuda" else [4, 16, 64]) if cfg.quick else ([16, 64, 256] if device.type == "cuda" else [4, 16, 64])
     reps, warmup = (9, 1) if cfg.quick else (20, 3)
     D, N = 1024, 4
     rows = []

@@ -75,8 +75,8 @@ def run(cfg) -> list:
     device, dtype = torch.device(cfg.device), torch.float32
     gpu = device.type == "cuda"
     d = 64 if cfg.quick and not gpu else 256
-    batches = ([4096, 16384] if gpu else [1024]) if cfg.quick else [1024, 4096, 16384]
-    reps, warmup = (3, 1) if cfg.quick else (15, 2)
+    batches = ([4096, 16384] if gpu else [1024, 4096]) if cfg.quick else [1024, 4096, 16384]
+    reps, warmup = (7, 1) if cfg.quick else (15, 2)
     rows_t, rows_m = [], []
     configs = [(n, r, b) for n in (2, 4, 8) for r in ("uniform", "skewed") for b in batches]
     for n, routing, rows in cfg.progress(configs, desc="masked"):
