@@ -9,8 +9,9 @@ find_unused_parameters=True happens at any world size). Contenders, interleaved 
 * dense 0/1: every branch times a one-hot coefficient, DDP(find_unused_parameters=False).
 Phases per step: forward (DDP's pre-forward and, for fup=True, the graph walk after it), backward
 (incl. the reducer's all-reduces and, for fup=True, the used-map all-reduce), optimizer
-(SGD momentum step over every parameter with a gradient, then zero_grad). "bare fwd" is the same
-model's forward without DDP (Python and compute alone), so fwd - bare fwd is DDP's forward overhead.
+(SGD momentum step over every parameter with a gradient, then zero_grad). "no-grad fwd" is the same
+model's forward without DDP under torch.no_grad() (compute plus the Python that runs without autograd),
+so fwd - no-grad fwd is what autograd recording (incl. MaskedBranch's anchor) and DDP add to the forward.
 """
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ def run(cfg) -> list:
     return [{
         "title": f"DDP step ({backend}; {c['layers']} routed layers x 4 MLP branches {c['d']}->{c['h']}->{c['d']}, "
                  f"batch {c['batch']} per rank, {c['reps']} interleaved steps; medians in ms, rank 0)",
-        "columns": ["contender", "step ms", "fwd ms", "bwd ms", "opt ms", "bare fwd ms", "fwd - bare fwd ms", "step / if/else (fup=True)"],
+        "columns": ["contender", "step ms", "fwd ms", "bwd ms", "opt ms", "no-grad fwd ms", "fwd - no-grad fwd ms", "step / if/else (fup=True)"],
         "rows": rows,
         "notes": "Target: masked (fup=False) step / if/else (fup=True) <= 1.0. The last column is the median of per-step ratios.",
     }]
