@@ -223,7 +223,7 @@ part_b() {
   if [[ $cuda == ON ]]; then
     check_device_code "$VENV_CUDA" "$CMAKE_BUILD_DIR/libmaskedbranch.so" || return 1
   fi
-  (cd "$CMAKE_BUILD_DIR" && ctest --output-on-failure -V | grep -vE '^(UpdateCTestConfiguration|Test project|Constructing|Checking|Parse|test [0-9]+$)')
+  (cd "$CMAKE_BUILD_DIR" && ctest --output-on-failure -V | grep -vE '^(UpdateCTestConfiguration|Test project|Constructing|Checking|Parse|test [0-9]+$|Done constructing|Updating test list|Added 0 tests|[0-9]+: (Test command|Working Directory|Test timeout))')
 }
 
 part_c() {
