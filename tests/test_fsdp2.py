@@ -4,6 +4,10 @@ ranks: real processes (torch.multiprocessing spawn), gloo on the CPU.
 * ``MaskedBranch(materialize_grads=True)`` trains exactly like DDP (gradients, after FSDP2's
   reduce-scatter and gathered with ``full_tensor()``, equal DDP's averaged ones; parameters after
   SGD steps equal DDP's), sharding the root only or the MaskedBranch and the root.
+* ``ResidualDropPath(materialize_grads=True)`` blocks, each its own FSDP2 unit, with ranks
+  dropping independently, and a timm ViT converted with
+  ``maskedbranch.integrations.timm.patch(model, materialize_grads=True)`` (against DDP running
+  timm's own model with the same masks), equal DDP too.
 * What does not work, each in its own job guarded by a deadline (the processes are killed, the
   suite never hangs): the plain if/else model (the parameters of a branch a rank skipped get no
   gradient there, so FSDP2's reduce-scatter pairs different gradients across ranks - or, with the
@@ -176,11 +180,106 @@ def scenario_fsdp2_vs_ddp(rank, world, shard, kind="mixed"):
     }
 
 
-def scenario_main(rank, world):
+class ResidualNet(nn.Module):
+    """pre -> three ResidualDropPath blocks -> head (or timm-style blocks from a factory)."""
+
+    def __init__(self, mode, materialize=True):
+        super().__init__()
+        self.pre = nn.Linear(6, D)
+        self.blocks = nn.ModuleList(
+            mb.ResidualDropPath(make_branch(), p, mode=mode, materialize_grads=materialize) for p in (0.5, 0.6, 0.4)
+        )
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        h = self.pre(x)
+        for blk in self.blocks:
+            h = blk(h)
+        return self.head(h)
+
+
+def _residual_vs_ddp(rank, world, model, make_input, blocks, reference=None, steps=STEPS):
+    """FSDP2 (each block its own unit, then the root) against DDP of ``reference`` (default: a
+    copy), the same masks on both (the default generator seeded identically before each forward,
+    differently per rank)."""
+    reference = copy.deepcopy(model) if reference is None else reference
+    ddp = nn.parallel.DistributedDataParallel(reference, process_group=dist.new_group(backend="gloo"))
+    for blk in blocks(model):
+        fully_shard(blk)
+    fully_shard(model)
+    ran = []  # per step and block: did the branch run on this rank?
+    calls = [0] * len(blocks(model))
+
+    def counter(i):
+        def hook(module, args, out):
+            calls[i] += 1
+
+        return hook
+
+    for i, blk in enumerate(blocks(model)):
+        (blk.branch if hasattr(blk, "branch") else blk.mlp).register_forward_hook(counter(i))
+    worst, missing_any = 0.0, []
+    for step in range(steps):
+        x, target = make_input(step, rank)
+        model.zero_grad(set_to_none=True)
+        ddp.zero_grad(set_to_none=True)
+        before = list(calls)
+        torch.manual_seed(1000 * step + rank)
+        out = model(x)
+        ran.append([int(c > b) for c, b in zip(calls, before)])
+        loss_fn(out, target).backward()
+        torch.manual_seed(1000 * step + rank)
+        loss_fn(ddp(x), target).backward()
+        got, missing = full_grads(model)
+        missing_any += missing
+        want = local_grads(ddp.module)
+        worst = max(worst, max_diff(got, {k: want[k] for k in got}))
+    return {"worst_ddp": worst, "missing": missing_any, "ran": ran}
+
+
+def scenario_residual(rank, world, mode):
+    torch.manual_seed(0)
+    model = ResidualNet(mode)
+
+    def make_input(step, rank):
+        g = torch.Generator().manual_seed(step * 101 + rank)
+        return torch.randn(3, 6, generator=g), torch.randn(3, 3, generator=g)
+
+    return _residual_vs_ddp(rank, world, model, make_input, lambda m: list(m.blocks))
+
+
+def scenario_timm(rank, world):
+    import timm
+
+    from maskedbranch.integrations import timm as mb_timm
+
+    torch.manual_seed(0)
+    original = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=8, embed_dim=16, num_heads=2,
+        depth=2, num_classes=3, drop_path_rate=0.6,
+    )
+    model = copy.deepcopy(original)
+    mb_timm.patch(model, materialize_grads=True)
+
+    def make_input(step, rank):
+        g = torch.Generator().manual_seed(step * 101 + rank)
+        return torch.randn(2, 3, 16, 16, generator=g), torch.randn(2, 3, generator=g)
+
+    # DDP runs timm's own (unpatched) model: FSDP2 with the patch must equal it
+    model.train(), original.train()
+    return _residual_vs_ddp(rank, world, model, make_input, lambda m: list(m.blocks), reference=original, steps=3)
+
+
+def scenario_main(rank, world, with_timm=False):
     out = {}
     for shard in ("root", "nested"):
         out[shard] = scenario_fsdp2_vs_ddp(rank, world, shard)
     out["int"] = scenario_fsdp2_vs_ddp(rank, world, "root", kind="int")
+    for mode in ("batch", "row"):
+        out[f"residual_{mode}"] = scenario_residual(rank, world, mode)
+    if with_timm:
+        out["timm"] = scenario_timm(rank, world)
+    out["refusal"] = scenario_refusal(rank, world)  # last: it leaves an FSDP2 forward unfinished
     return out
 
 
@@ -231,7 +330,7 @@ def _worker(rank, world, init_file, out_dir, scenario, kwargs, op_timeout_s):
         dist.destroy_process_group()
 
 
-def launch(scenario, world, timeout, op_timeout_s=60, **kwargs):
+def launch(scenario, world, timeout, op_timeout_s=60, linger_s=15, **kwargs):
     """Runs ``scenario`` on ``world`` processes. Returns (per-rank results, None for a rank that
     wrote nothing before the deadline; whether the deadline passed). Never blocks past it."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -251,7 +350,7 @@ def launch(scenario, world, timeout, op_timeout_s=60, **kwargs):
                     break
                 time.sleep(0.5)
             if not timed_out:  # give the ranks a moment to tear down cleanly
-                end = time.monotonic() + 15
+                end = time.monotonic() + linger_s
                 while any(p.is_alive() for p in ctx.processes) and time.monotonic() < end:
                     time.sleep(0.2)
         finally:
@@ -271,9 +370,22 @@ def launch(scenario, world, timeout, op_timeout_s=60, **kwargs):
 # The tests.
 
 
+def _timm_usable():
+    try:
+        import timm  # noqa: F401
+
+        from maskedbranch.integrations import timm as _  # noqa: F401
+    except Exception:  # noqa: BLE001 - timm is optional
+        return False
+    return True
+
+
+HAS_TIMM = _timm_usable()
+
+
 @pytest.fixture(scope="module")
 def main_job():
-    results, timed_out = launch("scenario_main", WORLD, JOB_TIMEOUT_S)
+    results, timed_out = launch("scenario_main", WORLD, JOB_TIMEOUT_S, with_timm=HAS_TIMM)
     assert not timed_out, f"the FSDP2 job did not finish within {JOB_TIMEOUT_S} s: {results}"
     for r, res in enumerate(results):
         assert res is not None and res[0] == "ok", f"rank {r}:\n{res[1] if res else 'no result'}"
@@ -288,6 +400,28 @@ def test_fsdp2_materialized_equals_ddp(main_job, case):
         assert got["worst_ddp"] < 1e-6, f"rank {r}: gradients differ from DDP's by {got['worst_ddp']}"
         assert got["worst_oracle"] < 1e-6, f"rank {r}: gradients differ from the average by {got['worst_oracle']}"
         assert got["params_vs_ddp"] < 1e-6, f"rank {r}: parameters drifted from DDP's by {got['params_vs_ddp']}"
+
+
+@pytest.mark.parametrize("mode", ["batch", "row"])
+def test_fsdp2_residual_drop_path_materialized_equals_ddp(main_job, mode):
+    """ResidualDropPath(materialize_grads=True), each block its own FSDP2 unit, ranks dropping
+    independently: the gradients equal DDP's."""
+    for r, res in enumerate(main_job):
+        got = res[f"residual_{mode}"]
+        assert not got["missing"], f"rank {r}: parameters without a gradient: {got['missing']}"
+        assert got["worst_ddp"] < 1e-6, f"rank {r}: gradients differ from DDP's by {got['worst_ddp']}"
+    ran = torch.tensor([res[f"residual_{mode}"]["ran"] for res in main_job])  # [rank, step, block]
+    assert bool((ran.amin(0) != ran.amax(0)).any()), "the ranks never disagreed about running a branch"
+
+
+@pytest.mark.skipif(not HAS_TIMM, reason="timm is not usable here")
+def test_fsdp2_timm_patched_equals_ddp_of_timm(main_job):
+    """A timm ViT patched with materialize_grads=True under FSDP2 (each block a unit) equals DDP
+    running timm's own model with the same masks."""
+    for r, res in enumerate(main_job):
+        got = res["timm"]
+        assert not got["missing"], f"rank {r}: parameters without a gradient: {got['missing']}"
+        assert got["worst_ddp"] < 1e-5, f"rank {r}: gradients differ from DDP's by {got['worst_ddp']}"
 
 
 def describe_failure(results, timed_out):
@@ -312,7 +446,7 @@ def describe_failure(results, timed_out):
 )
 def test_fsdp2_broken_setups_fail(mode, shard, materialize):
     results, timed_out = launch(
-        "scenario_broken", 2, FAIL_TIMEOUT_S, op_timeout_s=15, mode=mode, shard=shard, materialize=materialize
+        "scenario_broken", 2, FAIL_TIMEOUT_S, op_timeout_s=10, linger_s=0, mode=mode, shard=shard, materialize=materialize
     )
     outcome = describe_failure(results, timed_out)
     detail = [res if res is None or res[0] != "ok" else ("ok", res[1]["worst"]) for res in results]
@@ -320,14 +454,12 @@ def test_fsdp2_broken_setups_fail(mode, shard, materialize):
     assert outcome is not None, f"expected a hang, an error or wrong gradients, got correct results: {results}"
 
 
-def test_masked_branch_refuses_sharded_branches():
+def test_masked_branch_refuses_sharded_branches(main_job):
     """A branch that is its own FSDP2 unit all-gathers in its forward: skipped on one rank, the
-    collective would hang the others, so MaskedBranch refuses it (no process group needed to
-    see the refusal: fully_shard on a single-rank mesh)."""
-    results, timed_out = launch("scenario_refusal", 1, FAIL_TIMEOUT_S)
-    assert not timed_out and results[0] is not None
-    assert results[0][0] == "ok", results[0][1]
-    assert "runs collectives" in results[0][1] or "DTensor" in results[0][1], results[0][1]
+    collective would hang the others, so MaskedBranch refuses it (on every rank alike)."""
+    for r, res in enumerate(main_job):
+        msg = res["refusal"]
+        assert "runs collectives" in msg or "DTensor" in msg, f"rank {r}: {msg}"
 
 
 def scenario_refusal(rank, world):

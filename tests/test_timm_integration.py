@@ -245,6 +245,31 @@ def test_all_dropped_and_none_dropped(name):
     assert torch.equal(got, want)
 
 
+def test_materialize_grads():
+    """materialize_grads=True: the parameters of a branch that no sample keeps get zero tensors
+    (for FSDP2) instead of undefined gradients; patching again switches it on converted blocks."""
+    torch.manual_seed(0)
+    model = vit()
+    for m in model.modules():
+        if isinstance(m, timm.layers.DropPath):
+            m.drop_prob = 1.0
+    model.train()
+    x = images(torch.float32, batch=2)
+    for materialize, defined in ((False, False), (True, True), (False, False)):
+        mb_timm.patch(model, materialize_grads=materialize)
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        dropped = [blk for blk in model.blocks if isinstance(blk.drop_path2, timm.layers.DropPath)]
+        assert dropped
+        for blk in dropped:
+            for p in blk.mlp.parameters():
+                assert (p.grad is not None) == defined
+                if defined:
+                    assert torch.count_nonzero(p.grad) == 0
+    mb_timm.unpatch(model)
+    assert not any(hasattr(m, "_maskedbranch_materialize_grads") for m in model.modules())
+
+
 def test_drop_prob_schedule_is_read_each_call():
     original, patched, _ = pair("vit")
     original.train(), patched.train()

@@ -33,8 +33,8 @@ What changes and what does not:
   ``proj_drop`` > 0) interleaves its draws with the mask's differently (timm draws the mask
   after running the branch, maskedbranch before). The branch runs on
   the kept samples only; a branch no sample keeps does not run, and its parameters still get a
-  gradient (undefined: DistributedDataParallel fills zeros), so DDP works with
-  ``find_unused_parameters=False``.
+  gradient, so DDP works with ``find_unused_parameters=False``: undefined (DDP fills zeros) or,
+  with ``patch(model, materialize_grads=True)``, zero tensors (what FSDP2 needs).
 * The drop probability is read from the block's ``drop_path*`` module on every call, so schedules
   that change ``drop_prob`` keep working; a ``maskedbranch.DropPath`` in its place is honoured
   too (its ``mode`` and ``generator``).
@@ -95,14 +95,17 @@ def _params(*modules: Optional[nn.Module]) -> Iterator[Tensor]:
             yield from m.parameters()
 
 
-def _residual(dp: nn.Module, x: Tensor, branch: Callable[..., Tensor], params, args=()) -> Tensor:
+_MATERIALIZE = "_maskedbranch_materialize_grads"  # per converted block, set by patch()
+
+
+def _residual(block: nn.Module, dp: nn.Module, x: Tensor, branch: Callable[..., Tensor], params, args=()) -> Tensor:
     """``x + dp(branch(x, *args))``, with the branch run on the kept rows only."""
     p, training, mode, scale_by_keep, generator = _drop_settings(dp)
     if p == 0.0 or not training:
         return x + branch(x, *args)
     return drop_add_residual(
         x, branch, p, training, mode=mode, scale_by_keep=scale_by_keep, generator=generator,
-        args=args, params=params,
+        args=args, params=params, materialize_grads=getattr(block, _MATERIALIZE, False),
     )
 
 
@@ -141,8 +144,10 @@ def _attn_branch(self, attn_mask: Optional[Tensor], is_causal: bool, post_norm: 
 def _vit_block_forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
     branch = _attn_branch(self, attn_mask, is_causal, post_norm=False)
     args = (attn_mask,) if _per_row(attn_mask, x.shape[0]) else ()
-    x = _residual(self.drop_path1, x, branch, _params(self.norm1, self.attn, self.ls1), args)
-    x = _residual(self.drop_path2, x, lambda h: self.ls2(self.mlp(self.norm2(h))), _params(self.norm2, self.mlp, self.ls2))
+    x = _residual(self, self.drop_path1, x, branch, _params(self.norm1, self.attn, self.ls1), args)
+    x = _residual(
+        self, self.drop_path2, x, lambda h: self.ls2(self.mlp(self.norm2(h))), _params(self.norm2, self.mlp, self.ls2)
+    )
     return x
 
 
@@ -151,8 +156,8 @@ def _vit_res_post_block_forward(
 ) -> Tensor:
     branch = _attn_branch(self, attn_mask, is_causal, post_norm=True)
     args = (attn_mask,) if _per_row(attn_mask, x.shape[0]) else ()
-    x = _residual(self.drop_path1, x, branch, _params(self.attn, self.norm1), args)
-    x = _residual(self.drop_path2, x, lambda h: self.norm2(self.mlp(h)), _params(self.mlp, self.norm2))
+    x = _residual(self, self.drop_path1, x, branch, _params(self.attn, self.norm1), args)
+    x = _residual(self, self.drop_path2, x, lambda h: self.norm2(self.mlp(h)), _params(self.mlp, self.norm2))
     return x
 
 
@@ -177,25 +182,25 @@ def _convnext_block_forward(self, x: Tensor) -> Tensor:
                 yield p
 
     if isinstance(self.shortcut, nn.Identity):
-        return _residual(self.drop_path, x, branch, params())
+        return _residual(self, self.drop_path, x, branch, params())
     # A projecting shortcut: base = shortcut(x), and the branch reads x (routed as an argument).
-    return _residual(self.drop_path, self.shortcut(x), lambda _base, h: branch(h), params(), (x,))
+    return _residual(self, self.drop_path, self.shortcut(x), lambda _base, h: branch(h), params(), (x,))
 
 
 def _swin_block_forward(self, x: Tensor) -> Tensor:
     B, H, W, C = x.shape
-    x = _residual(self.drop_path1, x, lambda h: self._attn(self.norm1(h)), _params(self.norm1, self.attn))
+    x = _residual(self, self.drop_path1, x, lambda h: self._attn(self.norm1(h)), _params(self.norm1, self.attn))
     x = x.reshape(B, -1, C)
-    x = _residual(self.drop_path2, x, lambda h: self.mlp(self.norm2(h)), _params(self.norm2, self.mlp))
+    x = _residual(self, self.drop_path2, x, lambda h: self.mlp(self.norm2(h)), _params(self.norm2, self.mlp))
     x = x.reshape(B, H, W, C)
     return x
 
 
 def _swin_v2_block_forward(self, x: Tensor) -> Tensor:
     B, H, W, C = x.shape
-    x = _residual(self.drop_path1, x, lambda h: self.norm1(self._attn(h)), _params(self.attn, self.norm1))
+    x = _residual(self, self.drop_path1, x, lambda h: self.norm1(self._attn(h)), _params(self.attn, self.norm1))
     x = x.reshape(B, -1, C)
-    x = _residual(self.drop_path2, x, lambda h: self.norm2(self.mlp(h)), _params(self.mlp, self.norm2))
+    x = _residual(self, self.drop_path2, x, lambda h: self.norm2(self.mlp(h)), _params(self.mlp, self.norm2))
     x = x.reshape(B, H, W, C)
     return x
 
@@ -319,7 +324,7 @@ def _unknown_drop_paths(model: nn.Module, supported: List[str]) -> Dict[str, str
     return out
 
 
-def patch(model: nn.Module, *, strict: bool = True) -> PatchReport:
+def patch(model: nn.Module, *, strict: bool = True, materialize_grads: bool = False) -> PatchReport:
     """Convert the residual blocks of a timm ``model``, in place, so that drop path (stochastic
     depth) runs each residual branch on the kept samples only. Returns a :class:`PatchReport`
     of the converted blocks.
@@ -333,6 +338,11 @@ def patch(model: nn.Module, *, strict: bool = True) -> PatchReport:
     module, and a model with no supported block at all. ``strict=False`` converts what it can,
     leaves the rest as it was (correct, but paying the full compute of dropped samples) and lists
     it in ``report.skipped``.
+
+    ``materialize_grads``: what the parameters of a branch that no sample keeps receive (see
+    :func:`maskedbranch.drop_add_residual`): undefined gradients (default; DDP fills zeros) or
+    zero tensors (``True``: for FSDP2, which reduces only defined gradients, and DDP with
+    ``static_graph=True``). Calling ``patch`` again sets it on the blocks converted before too.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
@@ -381,6 +391,9 @@ def patch(model: nn.Module, *, strict: bool = True) -> PatchReport:
     for name, module, known in todo:
         module.__class__ = _CONVERSIONS[known][0]
         report.converted[_display(name)] = known.__qualname__
+    for module in model.modules():
+        if type(module) in _ORIGINAL:
+            setattr(module, _MATERIALIZE, bool(materialize_grads))
     return report
 
 
@@ -391,6 +404,7 @@ def unpatch(model: nn.Module) -> int:
         original = _ORIGINAL.get(type(module))
         if original is not None:
             module.__class__ = original
+            module.__dict__.pop(_MATERIALIZE, None)
             n += 1
     return n
 
