@@ -167,57 +167,72 @@ def flat_grads(model):
     return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in model.parameters()])
 
 
-def train(variant, base, data, args, device):
+VARIANTS = ("masked", "ifelse", "dense")
+
+
+def train(base, data, args, device):
+    """Train the three variants in lockstep (same batches, each its own DDP model and optimizer),
+    so that they share whatever else the machine is doing; time each variant's steps."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    module = copy.deepcopy(base).to(device)
-    module.variant = variant
-    model = DDP(
-        module,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        find_unused_parameters=variant == "ifelse",  # (a) needs it: a rank may have no rows of an expert
-    )
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    models, opts = {}, {}
+    for v in VARIANTS:
+        module = copy.deepcopy(base).to(device)
+        module.variant = v
+        models[v] = DDP(
+            module,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=v == "ifelse",  # (a) needs it: a rank may have no rows of an expert
+        )
+        opts[v] = torch.optim.SGD(models[v].parameters(), lr=0.05, momentum=0.9)
     sampler = DistributedSampler(data, shuffle=True, seed=0)  # shuffle on the sampler, not the loader
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
-    step_times, first_grads, skipped = [], None, 0
+    step_times = {v: [] for v in VARIANTS}
+    first_grads, skipped, steps = {}, 0, 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a different shuffle every epoch, the same on every rank
-        total = torch.zeros(2, device=device)
+        totals = {v: torch.zeros(2, device=device) for v in VARIANTS}
         for x, domain, y in loader:
-            x, y = x.to(device), y.to(device)
+            x, y = x.to(device), y.to(device)  # MaskedBranch keeps the gate (domain) on the host
             skipped += int(torch.bincount(domain, minlength=EXPERTS).eq(0).sum())
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(x, domain), y)
-            loss.backward()
-            if first_grads is None:
-                first_grads = flat_grads(model.module)
-            opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_times.append(time.perf_counter() - t0)
-            total += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=device)])
-        dist.all_reduce(total)  # the loss over all ranks, for logging
-        say(f"  {variant:7s} epoch {epoch}: loss {total[0].item() / total[1].item():.4f}")
-    # gradient agreement: the last step's gradients against rank 0's
-    g = flat_grads(model.module)
-    g0 = g.clone()
-    dist.broadcast(g0, src=0)
-    vs_rank0 = float((g - g0).abs().max())
-    step_ms = torch.tensor(statistics.median(step_times[2:] or step_times) * 1e3, device=device)
-    dist.all_reduce(step_ms, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            steps += 1
+            order = VARIANTS[steps % 3:] + VARIANTS[: steps % 3]  # rotate who goes first
+            for v in order:
+                model, opt = models[v], opts[v]
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss = nn.functional.cross_entropy(model(x, domain), y)
+                loss.backward()
+                if v not in first_grads:
+                    first_grads[v] = flat_grads(model.module)
+                opt.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                step_times[v].append(time.perf_counter() - t0)
+                totals[v] += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=device)])
+        for v in VARIANTS:
+            dist.all_reduce(totals[v])  # the loss over all ranks, for logging
+        say(f"  epoch {epoch}: loss " + ", ".join(f"{v} {totals[v][0].item() / totals[v][1].item():.4f}" for v in VARIANTS))
     skipped_all = torch.tensor(skipped, device=device)
     dist.all_reduce(skipped_all)
-    return {
-        "step_ms": step_ms.item(),
-        "loss": total[0].item() / total[1].item(),
-        "vs_rank0": gather_to_rank0(vs_rank0),
-        "first_grads": first_grads,
-        "skipped": int(skipped_all),
-        "steps": len(step_times),
-    }
+    results = {}
+    for v in VARIANTS:
+        # gradient agreement: the last step's gradients against rank 0's
+        g = flat_grads(models[v].module)
+        g0 = g.clone()
+        dist.broadcast(g0, src=0)
+        step_ms = torch.tensor(statistics.median(step_times[v][2:] or step_times[v]) * 1e3, device=device)
+        dist.all_reduce(step_ms, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        results[v] = {
+            "step_ms": step_ms.item(),
+            "loss": totals[v][0].item() / totals[v][1].item(),
+            "vs_rank0": gather_to_rank0(float((g - g0).abs().max())),
+            "first_grads": first_grads[v],
+            "skipped": int(skipped_all),
+            "steps": steps,
+        }
+    return results
 
 
 def main():
@@ -239,7 +254,7 @@ def main():
         f"== 2. Training: {EXPERTS} experts ({args.dim} -> {4 * args.dim} -> {args.dim}), one per row by domain, "
         f"global batch {args.batch_size} x {world} = {args.batch_size * world}, {args.epochs} epochs ==",
     )
-    results = {v: train(v, base, data, args, device) for v in ("masked", "ifelse", "dense")}
+    results = train(base, data, args, device)
 
     names = {
         "masked": "MaskedBranch, find_unused_parameters=False",
