@@ -8,4 +8,6 @@
   ``torch.Generator`` objects during the recomputation.
 """
 
-__all__ = ["checkpoint", "timm"]
+# The submodules are imported explicitly (``from maskedbranch.integrations import timm``): timm is
+# optional, so nothing is imported here.
+__all__: list = []
