@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from . import _ops
+from . import _ops, _structure
 from ._args import is_per_row, route_args
 
 __all__ = ["MaskedBranch", "masked_branch"]
@@ -319,22 +319,29 @@ def _learn(
 # The forward.
 
 
-def _params_of(branch: Callable) -> List[Tensor]:
-    return list(branch.parameters()) if isinstance(branch, nn.Module) else []
+def _params_of(branch: Callable) -> Tuple[Tensor, ...]:
+    return tuple(branch.parameters()) if isinstance(branch, nn.Module) else ()
 
 
-def _anchor_dead(out: Tensor, branches: Sequence[Callable], live, materialize: bool, extra: Sequence[Tensor] = ()) -> Tensor:
+def _anchor_dead(
+    out: Tensor,
+    branch_params: Sequence[Tuple[Tensor, ...]],
+    live,
+    materialize: bool,
+    extra: Sequence[Tensor] = (),
+) -> Tensor:
+    """Anchor the parameters of the branches that did not run (``branch_params[i]`` lists
+    branch i's); a parameter shared with a live branch already has its gradient."""
     if not torch.is_grad_enabled():
         return out  # no graph: nothing to anchor
-    live_ids = set()
-    for i in live:
-        live_ids.update(id(p) for p in _params_of(branches[i]))
     params = [t for t in extra if t.requires_grad]
+    dead = [ps for i, ps in enumerate(branch_params) if i not in live and ps]
+    if not dead:
+        return _ops.anchor(out, params, materialize=materialize) if params else out
+    live_ids = {id(p) for i in live for p in branch_params[i]}
     seen = {id(t) for t in params}
-    for i, branch in enumerate(branches):
-        if i in live:
-            continue
-        for p in _params_of(branch):
+    for ps in dead:
+        for p in ps:
             if p.requires_grad and id(p) not in live_ids and id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
@@ -417,6 +424,7 @@ def _forward(
     kwargs: Dict[str, Any],
     materialize: bool,
     spec: Optional[_Signatures],
+    branch_params: Sequence[Tuple[Tensor, ...]],
 ) -> Tensor:
     n = len(branches)
     _check_x(x)
@@ -428,13 +436,13 @@ def _forward(
         # The whole batch goes to one branch: nothing but the branch (and a view for the anchor).
         out = _check_output(branches[gate](x, *args, **kwargs), gate, x.shape[0])
         _learn(spec, key, {gate: out}, branches, x, args, kwargs)
-        return _anchor_dead(out, branches, (gate,), materialize)
+        return _anchor_dead(out, branch_params, (gate,), materialize)
     if kind == "int":
         # -1: no row reaches any branch. Zeros shaped like the branches' output, no plan; x is
         # anchored like the parameters, so whatever produced it still gets its hooks called.
         trailing, dtype = _learn(spec, key, {}, branches, x, args, kwargs)
         out = torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
-        return _anchor_dead(out, branches, (), materialize, extra=(x,))
+        return _anchor_dead(out, branch_params, (), materialize, extra=(x,))
 
     plan = _ops.make_plan(gate, n, device=x.device)  # host counts; a device gate reads back once
     counts = plan.counts
@@ -447,7 +455,7 @@ def _forward(
                 # Every row goes to branch i alone, in order: run it on x itself.
                 out = _check_output(branches[i](x, *args, **kwargs), i, batch)
                 _learn(spec, key, {i: out}, branches, x, args, kwargs)
-                return _anchor_dead(out, branches, (i,), materialize)
+                return _anchor_dead(out, branch_params, (i,), materialize)
 
     xs = _route_rows(x, plan)
     routed_args, routed_kwargs = route_args(args, kwargs, batch, lambda t: _Split(_route_rows(t, plan, "a per-row argument")))
@@ -474,7 +482,7 @@ def _forward(
     if weights is not None:
         weights = _host_to(weights, ys[0].device)
     out = _ops.combine(ys, plan, weights=weights)
-    return _anchor_dead(out, branches, live, materialize)
+    return _anchor_dead(out, branch_params, live, materialize)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -554,16 +562,33 @@ class MaskedBranch(nn.Module):
         self.branches = branches if isinstance(branches, nn.ModuleList) else nn.ModuleList(mods)
         self.materialize_grads = bool(materialize_grads)
         self._signatures = _Signatures()
+        self._params = _structure.StructureCache()
 
     @property
     def num_branches(self) -> int:
         return len(self.branches)
 
+    def _branch_params(self) -> List[Tuple[Tensor, ...]]:
+        """Each branch's parameters, after checking (again, whenever the module structure may
+        have changed, e.g. by convert_sync_batchnorm) that no branch runs collectives."""
+
+        def compute():
+            _check_no_collectives(self.branches, check_params=True)
+            return [_params_of(b) for b in self.branches]
+
+        return self._params.get(compute)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .half() may replace parameter objects: refresh the cached lists.
+        out = super()._apply(fn, *args, **kwargs)
+        _structure.invalidate()
+        return out
+
     def forward(self, x: Tensor, gate: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self.training or self._signatures.first_call:
-            # Branches may have been converted since construction (convert_sync_batchnorm).
-            _check_no_collectives(self.branches, check_params=self._signatures.first_call)
-        return _forward(list(self.branches), x, gate, args, kwargs, self.materialize_grads, self._signatures)
+        branch_params = self._branch_params()
+        return _forward(
+            list(self.branches), x, gate, args, kwargs, self.materialize_grads, self._signatures, branch_params
+        )
 
     def extra_repr(self) -> str:
         return f"num_branches={len(self.branches)}" + (", materialize_grads=True" if self.materialize_grads else "")
@@ -577,4 +602,4 @@ def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any
     that get no rows are not checked."""
     branch_list = _as_branch_list(branches, callables=True)
     _check_no_collectives(branch_list, check_params=False)
-    return _forward(branch_list, x, gate, args, kwargs, False, None)
+    return _forward(branch_list, x, gate, args, kwargs, False, None, [_params_of(b) for b in branch_list])

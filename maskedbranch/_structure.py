@@ -1,0 +1,41 @@
+"""Facts derived from a module tree (its parameter lists, whether it runs collectives), cached
+until the structure may have changed.
+
+Walking ``parameters()`` / ``named_modules()`` of every branch on every call costs more than a
+small branch's forward. Any registration of a module or parameter anywhere in the process (which
+``convert_sync_batchnorm``, ``add_module`` and parameter assignment all go through) bumps a
+global version, and so does ``_apply`` (``.to()``, ``.half()``) on the owning module."""
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+from torch.nn.modules import module as _module
+
+T = TypeVar("T")
+_version = [0]
+
+
+def invalidate(*_args) -> None:
+    """Mark every cached structure stale. Also the signature of the registration hooks, which
+    must return None to leave the registered object unchanged."""
+    _version[0] += 1
+
+
+_module.register_module_module_registration_hook(invalidate)
+_module.register_module_parameter_registration_hook(invalidate)
+
+
+class StructureCache(Generic[T]):
+    """One value computed from a module tree, recomputed after the structure may have changed."""
+
+    __slots__ = ("_version", "_value")
+
+    def __init__(self) -> None:
+        self._version = -1
+        self._value = None
+
+    def get(self, compute: Callable[[], T]) -> T:
+        if self._version != _version[0]:
+            self._value = compute()  # may raise: then nothing is cached
+            self._version = _version[0]
+        return self._value
