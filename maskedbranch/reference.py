@@ -88,9 +88,12 @@ def masked_branch_ifelse(
     branches: Sequence[Callable[[Tensor], Tensor]], x: Tensor, gate, num_branches: Optional[int] = None
 ) -> Tensor:
     """The if/else formula: each branch runs on exactly its rows (index_select / index_add).
-    Dead branches are not in the graph (what breaks DDP)."""
+    Dead branches are not in the graph (what breaks DDP). None when no row reaches any branch
+    (the output's shape is then unknown to an if/else)."""
     n = len(branches) if num_branches is None else num_branches
     if isinstance(gate, int):
+        if gate < 0:  # -1: no branch for any row (None: no graph, like an if/else that ran nothing)
+            return None
         return branches[gate](x)
     live = live_mask(gate, n)
     out = None
