@@ -94,23 +94,11 @@ build() {
   try_build() {
     "$PY" -m pip install --no-build-isolation --no-deps -v -e . 2>&1 | tee "$OUT/build_attempt.log"
     ((PIPESTATUS[0] == 0)) && return 0
-    grep -qE "Error compiling objects|C\+\+20 or later" "$OUT/build_attempt.log" && return 1
+    grep -q "Error compiling objects" "$OUT/build_attempt.log" && return 1
     echo "== pip failed before compiling; building in place with setup.py build_ext --inplace"
     "$PY" setup.py build_ext --inplace
   }
-  try_build && return 0
-  # torch >= 2.14 headers require C++20; retry with it if setup.py pins an older standard
-  # (on a throwaway copy of setup.py, restored afterwards).
-  if grep -q "C++20 or later compatible compiler is required" "$OUT/build.log" && grep -q -- "-std=c++17" setup.py; then
-    echo "== retrying with -std=c++20 (setup.py pins -std=c++17, these torch headers need C++20)"
-    cp setup.py "$OUT/setup.py.orig"
-    trap 'cp "$OUT/setup.py.orig" setup.py' EXIT
-    trap 'exit 143' TERM
-    sed -i 's/-std=c++17/-std=c++20/g' setup.py
-    try_build
-    return $?
-  fi
-  return 1
+  try_build
 }
 export -f build
 step build "${GPU_CHECK_BUILD_S:-300}" build
