@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+#include <c10/util/accumulate.h>
 
 namespace maskedbranch {
 namespace {
@@ -134,7 +135,12 @@ struct DropPathScaleFunction : public torch::autograd::Function<DropPathScaleFun
     at::Tensor grad_y = ctx->needs_input_grad(y_edge) ? call_drop_path_scale(c10::nullopt, grad, saved[0]) : at::Tensor();
     at::Tensor grad_scale;
     if (ctx->needs_input_grad(y_edge + 1)) {  // rare: a learnable per-row scale
-      grad_scale = grad.to(at::kFloat).mul(saved[1].to(at::kFloat)).flatten(1).sum(1).to(saved[0].scalar_type());
+      // Per row, the sum of grad * y over its values (one for a 1-D y), accumulated in at least
+      // float32 (float64 stays float64).
+      const at::Tensor& y = saved[1];
+      const auto acc = at::promote_types(at::promote_types(grad.scalar_type(), y.scalar_type()), at::kFloat);
+      const int64_t per_row = c10::multiply_integers(grad.sizes().slice(1));
+      grad_scale = grad.to(acc).mul(y.to(acc)).reshape({grad.size(0), per_row}).sum(1).to(saved[0].scalar_type());
     }
     return {grad_base, grad_y, grad_scale};
   }
