@@ -4,11 +4,13 @@
 #       cuobjdump that device code for every requested architecture is in it, and runs the whole
 #       pytest suite (on the CPU unless a GPU is visible);
 #   (b) builds the CMake/libtorch library and runs its C++ test with ctest;
-#   (c) builds the CPU-only variant (CPU-only torch, .venv-cpu) and runs the op tests there.
+#   (c) builds the CPU-only variant (CPU-only torch, .venv-cpu) and runs the op tests there;
+#   (d) builds the CPU kernels with AddressSanitizer + UndefinedBehaviorSanitizer (out of tree,
+#       in .venv-cpu) and runs the op, bad-input and fuzz tests under them (scripts/sanitize.sh).
 # Every part runs even when an earlier one fails; the exit status is non-zero if any failed.
 #
 # Knobs (environment):
-#   MASKEDBRANCH_PARTS="a b c"      parts to run
+#   MASKEDBRANCH_PARTS="a b c d"    parts to run
 #   TORCH_CUDA_ARCH_LIST            GPU architectures for (a) and (b); default "8.0;9.0+PTX"
 #   MAX_JOBS                        parallel compile jobs; default: the number of cores
 #   MASKEDBRANCH_CMAKE_CUDA=0|1     compile the CUDA kernels in the CMake build too (default 1
@@ -28,7 +30,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
-PARTS=${MASKEDBRANCH_PARTS:-"a b c"}
+PARTS=${MASKEDBRANCH_PARTS:-"a b c d"}
 PYTHON=${PYTHON:-python3}
 VENV_CUDA=${MASKEDBRANCH_VENV_CUDA:-$ROOT/.venv-cuda}
 VENV_CPU=${MASKEDBRANCH_VENV_CPU:-$ROOT/.venv-cpu}
@@ -244,11 +246,19 @@ part_c() {
   run_pytest "$VENV_CPU" 0 "${files[@]}"
 }
 
+# (d) Sanitizers. A separate instrumented build of the CPU kernels (its own build folder; the
+# installed build of (c) is untouched), the tests run against it; any report fails the part.
+part_d() {
+  banner "Part (d): ASan+UBSan build of the CPU kernels + op tests (scripts/sanitize.sh)"
+  ensure_venv "$VENV_CPU" "$TORCH_CPU_SPEC" "${TEST_DEPS[@]}" || return 1
+  PYTHON="$VENV_CPU/bin/python" SANITIZE_BUILD_DIR="$VENV_CPU/build-sanitize" bash "$ROOT/scripts/sanitize.sh"
+}
+
 declare -A STATUS SECS
 ORDER=()
 overall=0
 for part in $PARTS; do
-  case $part in a|b|c) ;; *) echo "unknown part '$part' in MASKEDBRANCH_PARTS (use a, b, c)"; exit 2 ;; esac
+  case $part in a|b|c|d) ;; *) echo "unknown part '$part' in MASKEDBRANCH_PARTS (use a, b, c, d)"; exit 2 ;; esac
   start=$SECONDS
   ( "part_$part" )
   rc=$?
@@ -258,7 +268,8 @@ for part in $PARTS; do
   note "part ($part) ${STATUS[$part]} in ${SECS[$part]} s"
 done
 
-declare -A TITLE=([a]="CUDA build + pytest suite" [b]="CMake/libtorch + ctest" [c]="CPU-only build + op tests")
+declare -A TITLE=([a]="CUDA build + pytest suite" [b]="CMake/libtorch + ctest" [c]="CPU-only build + op tests"
+                  [d]="ASan+UBSan build + op tests")
 banner "Summary"
 printf '%-6s %-28s %-18s %8s\n' part what status seconds
 for part in "${ORDER[@]}"; do
