@@ -21,10 +21,13 @@
 #   PYTEST_ARGS                     extra pytest arguments, e.g. "-x -k combine"
 #
 # Tests import the *installed* build (a non-editable install into each environment, so the two
-# builds never overwrite each other). To rerun one file by hand, from the repository root:
+# builds never overwrite each other); pytest runs from outside the source tree (see run_pytest).
+# To rerun one file by hand, from the repository root:
 #   .venv-cuda/bin/pytest tests/test_ops.py      or      .venv-cpu/bin/pytest tests/test_ops.py
 # (the `pytest` entry point does not put the working directory on sys.path, so the source
-# tree's maskedbranch/ package, which holds no compiled _C, does not shadow the installed one).
+# tree's maskedbranch/ package, which holds no compiled _C, does not shadow the installed one;
+# tests that add the working directory to sys.path and then spawn processes need the folder
+# scripts/test.sh uses: cd .venv-cuda/pytest-cwd && ../bin/pytest --rootdir ../.. ../../tests/...).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -165,15 +168,21 @@ check_device_code() {
   return $missing
 }
 
-# run_pytest VENV EXPECTED_WITH_CUDA PATHS... : pytest from the repository root, importing the
-# installed build (checked by scripts/pytest_check_installed.py). Exit 5 (no tests) fails too.
+# run_pytest VENV EXPECTED_WITH_CUDA PATHS... : pytest on the installed build (checked by
+# scripts/pytest_check_installed.py). It runs from an empty folder outside the source tree: code
+# that puts the working directory on sys.path (python -c / -m, or a CLI under test) and the worker
+# processes that inherit that sys.path then cannot pick up the source tree's maskedbranch/ package,
+# which has no compiled _C. Paths are relative to the repository root. Exit 5 (no tests) fails too.
 run_pytest() {
-  local venv=$1 want=$2 rc; shift 2
-  note "pytest $*"
+  local venv=$1 want=$2 rc path; shift 2
+  local cwd=$venv/pytest-cwd args=()
+  mkdir -p "$cwd"
+  for path in "$@"; do args+=("$ROOT/$path"); done
+  note "pytest $* (from $cwd)"
   # shellcheck disable=SC2086
-  PYTHONPATH="$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}" MASKEDBRANCH_EXPECT_WITH_CUDA=$want \
+  (cd "$cwd" && PYTHONPATH="$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}" MASKEDBRANCH_EXPECT_WITH_CUDA=$want \
     "$venv/bin/pytest" -q -p no:cacheprovider -p pytest_check_installed --import-mode=append \
-    ${PYTEST_ARGS:-} "$@"
+    --rootdir "$ROOT" ${PYTEST_ARGS:-} "${args[@]}")
   rc=$?
   if [[ $rc -eq 5 ]]; then echo "!! pytest collected no tests"; fi
   return $rc
