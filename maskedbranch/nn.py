@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _ops, _structure
-from ._args import is_per_row, route_args
+from ._args import check_per_row_devices, is_per_row, route_args
 
 __all__ = ["MaskedBranch", "masked_branch"]
 
@@ -139,17 +139,6 @@ def _normalize_gate(gate: Any, x: Tensor, n: int):
     raise ValueError(
         f"gate: expected an int, branch ids [B] or a mask/weights [B, {n}], got shape {tuple(gate.shape)}"
     )
-
-
-def _check_per_row_devices(args: Tuple[Any, ...], kwargs: Dict[str, Any], x: Tensor) -> None:
-    batch = x.shape[0]
-    named = [(f"args[{j}]", a) for j, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]
-    for name, a in named:
-        if is_per_row(a, batch) and a.device != x.device:
-            raise ValueError(
-                f"{name}: a per-row argument (first dimension {batch}, routed with x) must live on "
-                f"x's device {x.device}, got {a.device}"
-            )
 
 
 def _check_output(y: Any, i: int, rows: int) -> Tensor:
@@ -429,7 +418,7 @@ def _forward(
     n = len(branches)
     _check_x(x)
     kind, gate = _normalize_gate(gate, x, n)
-    _check_per_row_devices(args, kwargs, x)
+    check_per_row_devices(args, kwargs, x)
     key = _input_key(x, args, kwargs) if spec is not None else None
 
     if kind == "int" and gate >= 0:
