@@ -4,14 +4,20 @@ A residual model of L routed layers, each 4 small MLP branches; every step every
 branch per rank (an int gate). 2 ranks on CPU (gloo), 1 rank with NCCL on a GPU (DDP's graph walk of
 find_unused_parameters=True happens at any world size). Contenders, interleaved step by step:
 * masked (fup=False): MaskedBranch, DDP(find_unused_parameters=False);
+* masked + unused->None: the same, plus maskedbranch.unused_grads_to_none(optimizer, ddp) (before each
+  step, one small all-reduce of the recorded used bits; branches no rank ran get a None gradient, so
+  the optimizer skips them as with find_unused_parameters=True);
+* ..., bucket view: the same with DDP(gradient_as_bucket_view=True) (gradients are views of DDP's
+  buckets: DDP copies no gradient back, in particular not the zeros of unused branches);
 * masked (static_graph): MaskedBranch(materialize_grads=True), DDP(static_graph=True);
 * if/else (fup=True): branches[k](x), DDP(find_unused_parameters=True);
 * dense 0/1: every branch times a one-hot coefficient, DDP(find_unused_parameters=False).
 Phases per step: forward (DDP's pre-forward and, for fup=True, the graph walk after it), backward
 (incl. the reducer's all-reduces and, for fup=True, the used-map all-reduce), optimizer
-(SGD momentum step over every parameter with a gradient, then zero_grad). "no-grad fwd" is the same
-model's forward without DDP under torch.no_grad() (compute plus the Python that runs without autograd),
-so fwd - no-grad fwd is what autograd recording (incl. MaskedBranch's anchor) and DDP add to the forward.
+(SGD momentum step over every parameter with a gradient, then zero_grad). "module fwd" is the same
+model's forward without DDP, autograd on (the graph is dropped), so fwd - module fwd is what DDP adds to
+the forward (for find_unused_parameters=True: the graph walk); "no-grad fwd" is that forward under
+torch.no_grad() (compute plus the Python that runs without autograd).
 """
 from __future__ import annotations
 
@@ -29,7 +35,8 @@ import time
 import torch
 from torch import nn
 
-NAMES = ["masked (fup=False)", "masked (static_graph)", "if/else (fup=True)", "dense 0/1"]
+NAMES = ["masked (fup=False)", "masked + unused->None", "masked + unused->None, bucket view", "masked (static_graph)",
+         "if/else (fup=True)", "if/else (fup=True), bucket view", "dense 0/1"]
 
 
 def _mlp(d, h):
@@ -71,15 +78,21 @@ def _worker(rank, world, cfg, port, path):
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     L, d, h, B, reps, warmup = (cfg[k] for k in ("layers", "d", "h", "batch", "reps", "warmup"))
-    models, opts, bare = {}, {}, {}
+    from maskedbranch import unused_grads_to_none
+
+    bits_group = dist.new_group(backend="gloo") if cuda else None
+    models, opts = {}, {}
     for name in NAMES:
         torch.manual_seed(0)
         m = Net(name, L, d, h).to(dev)
         kw = {"static_graph": True} if "static" in name else {"find_unused_parameters": "fup=True" in name}
-        models[name] = DDP(m, device_ids=[rank] if cuda else None, **kw)
+        models[name] = DDP(m, device_ids=[rank] if cuda else None, gradient_as_bucket_view="bucket view" in name, **kw)
         opts[name] = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+        if "unused" in name:
+            # NCCL: the used bits go over a gloo group (host tensors, no device sync)
+            unused_grads_to_none(opts[name], models[name], process_group=bits_group)
     g = torch.Generator().manual_seed(1000 + rank)
-    phases = {k: {"fwd": [], "bwd": [], "opt": [], "bare fwd": [], "step": []} for k in NAMES}
+    phases = {k: {"fwd": [], "bwd": [], "opt": [], "module fwd": [], "bare fwd": [], "step": []} for k in NAMES}
 
     def sync():
         if cuda:
@@ -92,6 +105,7 @@ def _worker(rank, world, cfg, port, path):
         s = rep % len(NAMES)
         for name in NAMES[s:] + NAMES[:s]:
             ddp, opt = models[name], opts[name]
+            dist.barrier()  # both ranks start the step together: the phases time one rank's work
             sync(); t0 = time.perf_counter()
             loss = ddp(x, gates, coefs).square().mean()
             sync(); t1 = time.perf_counter()
@@ -100,13 +114,18 @@ def _worker(rank, world, cfg, port, path):
             opt.step()
             opt.zero_grad(set_to_none=True)
             sync(); t3 = time.perf_counter()
+            ddp.module(x, gates, coefs)  # autograd on, no DDP; the graph is dropped
+            sync(); t4 = time.perf_counter()
             with torch.no_grad():
                 ddp.module(x, gates, coefs)
-            sync(); t4 = time.perf_counter()
+            sync(); t5 = time.perf_counter()
+            for mod in ddp.module.modules():  # these forwards are not training steps
+                if hasattr(mod, "_usage"):
+                    mod._usage.bits = 0
             if rep >= warmup:
                 ph = phases[name]
                 ph["fwd"].append(t1 - t0); ph["bwd"].append(t2 - t1); ph["opt"].append(t3 - t2)
-                ph["bare fwd"].append(t4 - t3); ph["step"].append(t3 - t0)
+                ph["module fwd"].append(t4 - t3); ph["bare fwd"].append(t5 - t4); ph["step"].append(t3 - t0)
         dist.barrier()
     if rank == 0:
         with open(path, "w") as f:
@@ -126,7 +145,7 @@ def run(cfg) -> list:
     cuda = cfg.device == "cuda"
     world = 1 if cuda else 2
     c = dict(device=cfg.device, layers=24, d=32 if cfg.quick else 64, h=64 if cfg.quick else 256,
-             batch=16 if cfg.quick else 64, reps=25 if cfg.quick else 30, warmup=2 if cfg.quick else 5)
+             batch=16 if cfg.quick else 64, reps=40, warmup=2 if cfg.quick else 5)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ddp.json")
         mp.spawn(_worker, args=(world, c, _free_port(), path), nprocs=world, join=True)
@@ -134,20 +153,27 @@ def run(cfg) -> list:
             phases = json.load(f)
     ref = "if/else (fup=True)"
     step_ref = phases[ref]["step"]
+    step_ref_view = phases[ref + ", bucket view"]["step"]
     rows = []
     for k in NAMES:
         ph = phases[k]
-        ratio = statistics.median(a / b for a, b in zip(ph["step"], step_ref))
-        rows.append([k] + [statistics.median(ph[p]) * 1e3 for p in ("step", "fwd", "bwd", "opt", "bare fwd")]
-                    + [(statistics.median(ph["fwd"]) - statistics.median(ph["bare fwd"])) * 1e3, ratio])
+        base = step_ref_view if "bucket view" in k else step_ref
+        ratio = statistics.median(a / b for a, b in zip(ph["step"], base))
+        rows.append([k] + [statistics.median(ph[p]) * 1e3 for p in ("step", "fwd", "bwd", "opt", "module fwd", "bare fwd")]
+                    + [(statistics.median(ph["fwd"]) - statistics.median(ph["module fwd"])) * 1e3, ratio])
     _plot(cfg, rows)
     backend = "1 rank, NCCL" if cuda else "2 ranks, gloo, 1 thread each"
     return [{
         "title": f"DDP step ({backend}; {c['layers']} routed layers x 4 MLP branches {c['d']}->{c['h']}->{c['d']}, "
                  f"batch {c['batch']} per rank, {c['reps']} interleaved steps; medians in ms, rank 0)",
-        "columns": ["contender", "step ms", "fwd ms", "bwd ms", "opt ms", "no-grad fwd ms", "fwd - no-grad fwd ms", "step / if/else (fup=True)"],
+        "columns": ["contender", "step ms", "fwd ms", "bwd ms", "opt ms", "module fwd ms", "no-grad fwd ms",
+                    "DDP in fwd ms", "step / if/else (fup=True)*"],
         "rows": rows,
-        "notes": "Target: masked (fup=False) step / if/else (fup=True) <= 1.0. The last column is the median of per-step ratios.",
+        "notes": "Target: masked step / if/else (fup=True) <= 1.0. *The last column is the median of per-step ratios "
+                 "against if/else (fup=True) with the same gradient_as_bucket_view setting. "
+                 "module fwd: the forward without DDP, autograd on; DDP in fwd = fwd - module fwd (the graph walk of "
+                 "find_unused_parameters=True). masked + unused->None trains exactly as if/else + fup=True does "
+                 "(tests/test_unused_grads.py); masked (fup=False) steps zero gradients of unused branches.",
     }]
 
 

@@ -34,6 +34,10 @@ TORCH_LIBRARY(maskedbranch, m) {
         "(Tensor offsets, Tensor rows, Tensor row_offsets, Tensor row_branch, Tensor row_pos)");
   // packed[p] = x[rows[p]]; the plan's row side rides along for the backward.
   m.def("gather(Tensor x, Tensor rows, Tensor row_offsets, Tensor row_pos) -> Tensor");
+  // gather, then each branch's slice (counts[i] rows) as a tensor of its own (not a view);
+  // backward: one combine of the slices' gradients.
+  m.def("gather_split(Tensor x, Tensor rows, Tensor row_offsets, Tensor row_branch, Tensor row_pos, "
+        "int[] counts) -> Tensor[]");
   // grad_x[b] = sum of grad_packed over the packed positions of row b (segmented, no atomics).
   m.def("gather_backward(Tensor grad, Tensor row_offsets, Tensor row_pos) -> Tensor");
   // out[b] = base[b] + sum over row b's entries of weights[b, i] * ys[i][local position].

@@ -2,9 +2,10 @@
 DistributedDataParallel. Every branch's parameters stay in the autograd graph (dead ones get
 zero gradients) while the rows a branch does not serve are never computed."""
 from . import reference
-from ._ops import Plan, WITH_CUDA, anchor, combine, drop_path_scale, gather, make_plan, split_packed
+from ._ops import Plan, WITH_CUDA, anchor, combine, drop_path_scale, gather, gather_split, make_plan, split_packed
 from .nn import MaskedBranch, masked_branch
 from .drop_path import DropPath, ResidualDropPath, drop_add_residual, drop_path
+from .unused_grads import UnusedGradsToNone, unused_grads_to_none
 
 __version__ = "0.1.0"
 
@@ -22,10 +23,13 @@ __all__ = [
     "find_divergent_parameters",
     "find_unused_parameters",
     "gather",
+    "gather_split",
     "make_plan",
     "masked_branch",
     "reference",
     "split_packed",
+    "unused_grads_to_none",
+    "UnusedGradsToNone",
 ]
 
 

@@ -4,7 +4,8 @@ autograd formulas (whose backwards are registered ops too).
 The ops, in the order data flows through a masked layer (see DESIGN.md):
 
 * :func:`make_plan` - gate -> routing plan (CSR by branch and by row);
-* :func:`gather` - pack the rows of every branch into one buffer;
+* :func:`gather` - pack the rows of every branch into one buffer (:func:`gather_split`: and hand
+  each branch its slice as a tensor of its own);
 * :func:`combine` - ``out = base + sum_i w[:, i] * y_i`` read from the per-branch outputs;
 * :func:`anchor` - tie parameters of branches that did not run into the graph;
 * :func:`drop_path_scale` - ``out = base + scale[:, None] * y``, fused.
@@ -84,7 +85,8 @@ def make_plan(gate: Tensor, num_branches: int, device: Optional[torch.device] = 
     device = gate.device if device is None else torch.device(device)
     if device != gate.device:
         rows, row_offsets, row_branch, row_pos = _ship((rows, row_offsets, row_branch, row_pos), device)
-    counts = offsets.diff().tolist()  # offsets always live on the host: no sync
+    bounds = offsets.tolist()  # offsets always live on the host: no sync
+    counts = [b - a for a, b in zip(bounds, bounds[1:])]
     return Plan(counts, rows, row_offsets, row_branch, row_pos)
 
 
@@ -93,6 +95,14 @@ def gather(x: Tensor, plan: Plan) -> Tensor:
     ``packed[start_i : start_i + counts[i]]``. Backward: a deterministic segmented sum."""
     check_device_supported(x, "x")
     return ops.gather(x, plan.rows, plan.row_offsets, plan.row_pos)
+
+
+def gather_split(x: Tensor, plan: Plan) -> List[Tensor]:
+    """Every branch's rows of ``x`` (``plan.counts[i]`` rows for branch i, in the plan's order),
+    gathered by one kernel into one buffer; each slice is a tensor of its own, not a view, so a
+    branch may modify it in place. Backward: one combine of the slices' gradients."""
+    check_device_supported(x, "x")
+    return ops.gather_split(x, plan.rows, plan.row_offsets, plan.row_branch, plan.row_pos, plan.counts)
 
 
 def split_packed(packed: Tensor, plan: Plan) -> List[Tensor]:
@@ -193,6 +203,13 @@ def _plan_fake(gate, num_branches):
 def _gather_fake(x, rows, row_offsets, row_pos):
     _check_devices("x", x, rows=rows, row_offsets=row_offsets, row_pos=row_pos)
     return _empty_rows(rows.shape[0], x.shape[1:], x, _row_format(x))
+
+
+@torch.library.register_fake("maskedbranch::gather_split")
+def _gather_split_fake(x, rows, row_offsets, row_branch, row_pos, counts):
+    _check_devices("x", x, rows=rows, row_offsets=row_offsets, row_branch=row_branch, row_pos=row_pos)
+    fmt = _row_format(x)
+    return [_empty_rows(c, x.shape[1:], x, fmt) for c in counts]
 
 
 @torch.library.register_fake("maskedbranch::gather_backward")

@@ -4,7 +4,10 @@ until the structure may have changed.
 Walking ``parameters()`` / ``named_modules()`` of every branch on every call costs more than a
 small branch's forward. Any registration of a module or parameter anywhere in the process (which
 ``convert_sync_batchnorm``, ``add_module`` and parameter assignment all go through) bumps a
-global version, and so does ``_apply`` (``.to()``, ``.half()``) on the owning module."""
+global version, and so does ``_apply`` (``.to()``, ``.half()``) on the owning module.
+
+``Usage`` holds the bits through which routing modules record which branches ran (read and reset
+by :func:`maskedbranch.unused_grads_to_none`)."""
 from __future__ import annotations
 
 from typing import Callable, Generic, TypeVar
@@ -39,3 +42,17 @@ class StructureCache(Generic[T]):
             self._value = compute()  # may raise: then nothing is cached
             self._version = _version[0]
         return self._value
+
+    def clear(self) -> None:
+        self._version = -1
+        self._value = None
+
+
+class Usage:
+    """Bit i: unit i (a branch) ran in a call that built a graph since the bits were last reset.
+    A plain object, since assigning a module attribute goes through nn.Module.__setattr__."""
+
+    __slots__ = ("bits",)
+
+    def __init__(self) -> None:
+        self.bits = 0

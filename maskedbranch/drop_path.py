@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from . import _ops
+from . import _ops, _structure
 from ._args import check_per_row_devices, route_args
 
 __all__ = ["drop_path", "DropPath", "drop_add_residual", "ResidualDropPath"]
@@ -285,9 +285,10 @@ def _residual(
     generator: Optional[torch.Generator],
     params: Optional[Iterable[Tensor]],
     materialize: bool = False,
-) -> Tensor:
+) -> Tuple[Tensor, bool]:
+    """The output, and whether the branch ran."""
     if drop_prob == 0.0 or not training:
-        return x + branch(x, *args, **kwargs)
+        return x + branch(x, *args, **kwargs), True
     _check_floating(x)
     check_per_row_devices(args, kwargs, x)
     keep_prob = 1.0 - drop_prob
@@ -296,14 +297,14 @@ def _residual(
 
     if mode == "batch":
         if not bool(_draw(1, keep_prob, generator)[0]):
-            return _skipped(x, branch, params, materialize)
-        return torch.add(x, _check_branch_output(branch(x, *args, **kwargs), batch, x), alpha=scale)
+            return _skipped(x, branch, params, materialize), False
+        return torch.add(x, _check_branch_output(branch(x, *args, **kwargs), batch, x), alpha=scale), True
 
     kept, plan = _row_plan(batch, keep_prob, generator, x.device)
     if kept == batch:  # nothing dropped: no gather, no plan; add and scale in one pass
-        return torch.add(x, _check_branch_output(branch(x, *args, **kwargs), batch, x), alpha=scale)
+        return torch.add(x, _check_branch_output(branch(x, *args, **kwargs), batch, x), alpha=scale), True
     if kept == 0:  # everything dropped: the branch does not run
-        return _skipped(x, branch, params, materialize)
+        return _skipped(x, branch, params, materialize), False
 
     select = _select_rows(plan)
     args, kwargs = route_args(args, kwargs, batch, select)
@@ -315,7 +316,7 @@ def _residual(
     weights = None
     if scale != 1.0:
         weights = torch.full((batch, 1), scale, dtype=_opmath(y.dtype), device=x.device)
-    return _ops.combine([y], plan, weights=weights, base=base)
+    return _ops.combine([y], plan, weights=weights, base=base), True
 
 
 def drop_add_residual(
@@ -361,7 +362,7 @@ def drop_add_residual(
     return _residual(
         x, branch, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator, params,
         bool(materialize_grads),
-    )
+    )[0]
 
 
 def _runs_collectives(module: nn.Module) -> Optional[str]:
@@ -407,6 +408,7 @@ class ResidualDropPath(nn.Module):
         self.scale_by_keep = scale_by_keep
         self.generator = _check_generator(generator)
         self.materialize_grads = bool(materialize_grads)
+        self._usage = _structure.Usage()
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         p = _check_drop_prob(self.drop_prob)
@@ -420,10 +422,21 @@ class ResidualDropPath(nn.Module):
                 "per-rank layer) in a branch that can be dropped, or set drop_prob=0."
             )
         _check_x(x)
-        return _residual(
+        out, ran = _residual(
             x, self.branch, args, kwargs, p, self.training, self.mode, self.scale_by_keep, self.generator, None,
             self.materialize_grads,
         )
+        if ran and torch.is_grad_enabled():
+            self._usage.bits = 1
+        return out
+
+    def _unit_params(self) -> List[Tuple[Tensor, ...]]:
+        """The branch's parameters: the one unit whose use ``_usage`` records, for
+        :func:`maskedbranch.unused_grads_to_none`."""
+        return [tuple(self.branch.parameters())]
+
+    def _unit_modules(self) -> List[nn.Module]:
+        return [self.branch]
 
     def extra_repr(self) -> str:
         s = f"drop_prob={round(self.drop_prob, 3):0.3f}, mode={self.mode}"

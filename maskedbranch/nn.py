@@ -175,9 +175,9 @@ def _arg_sig(a: Any, batch: int):
     return type(a)
 
 
-def _autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
+def _autocast_dtype(x: Tensor, device: Optional[torch.device] = None) -> Optional[torch.dtype]:
     """The dtype autocast casts to on x's device type, or None when autocast is off there."""
-    device_type = x.device.type
+    device_type = (x.device if device is None else device).type
     try:
         return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     except (RuntimeError, TypeError, ValueError):  # a device type without autocast
@@ -185,12 +185,14 @@ def _autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
 
 
 def _input_key(x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
-    batch = x.shape[0]
+    device = x.device
     # autocast changes the dtype the branches return, so it is part of the input signature
-    key = (tuple(x.shape[1:]), x.dtype, x.device, _autocast_dtype(x))
+    key = (x.shape[1:], x.dtype, device, _autocast_dtype(x, device))
     if args:
+        batch = x.shape[0]
         key += tuple(_arg_sig(a, batch) for a in args)
     if kwargs:
+        batch = x.shape[0]
         key += tuple((k, _arg_sig(v, batch)) for k, v in kwargs.items())
     return key
 
@@ -259,6 +261,11 @@ def _learn(
 ):
     """Check that the live outputs agree with each other and with what was seen before; return
     the output signature (trailing shape, dtype), or None when no branch ran and it is unknown."""
+    if spec is not None and live and not spec.first_call:
+        # The common case (inputs seen before): one comparison per live output.
+        known = spec.table.get(key)
+        if known is not None and all(y.dtype == known[1] and y.shape[1:] == known[0] for y in live.values()):
+            return known[0], known[1]
     sig = None
     first = None
     for i, y in live.items():
@@ -312,29 +319,48 @@ def _params_of(branch: Callable) -> Tuple[Tensor, ...]:
     return tuple(branch.parameters()) if isinstance(branch, nn.Module) else ()
 
 
+class _BranchTable:
+    """The branches, each branch's parameters, and per set of live branches (a bit mask) the
+    parameters to anchor: those of the branches that did not run, less any shared with a live
+    branch (it already gives them their gradient). Built once per module structure, so a call
+    does not walk ``parameters()`` or rebuild these lists."""
+
+    __slots__ = ("branches", "params", "_dead")
+
+    def __init__(self, branches: Sequence[Callable]):
+        self.branches = list(branches)
+        self.params = [_params_of(b) for b in self.branches]
+        self._dead: Dict[int, Tuple[Tensor, ...]] = {}
+
+    def dead_params(self, live_mask: int) -> Tuple[Tensor, ...]:
+        dead = self._dead.get(live_mask)
+        if dead is None:
+            live_ids = {id(p) for i, ps in enumerate(self.params) if live_mask >> i & 1 for p in ps}
+            seen: set = set()
+            out = []
+            for i, ps in enumerate(self.params):
+                if live_mask >> i & 1:
+                    continue
+                for p in ps:
+                    if id(p) not in live_ids and id(p) not in seen:
+                        seen.add(id(p))
+                        out.append(p)
+            dead = tuple(out)
+            if len(self._dead) < 1024:  # masks of many-branch layers could vary without bound
+                self._dead[live_mask] = dead
+        return dead
+
+
 def _anchor_dead(
-    out: Tensor,
-    branch_params: Sequence[Tuple[Tensor, ...]],
-    live,
-    materialize: bool,
-    extra: Sequence[Tensor] = (),
+    out: Tensor, table: _BranchTable, live_mask: int, materialize: bool, extra: Sequence[Tensor] = ()
 ) -> Tensor:
-    """Anchor the parameters of the branches that did not run (``branch_params[i]`` lists
-    branch i's); a parameter shared with a live branch already has its gradient."""
+    """Anchor the parameters of the branches that did not run (and ``extra``) to ``out``."""
     if not torch.is_grad_enabled():
         return out  # no graph: nothing to anchor
+    # requires_grad is read on every call: freezing a branch changes no structure
     params = [t for t in extra if t.requires_grad]
-    dead = [ps for i, ps in enumerate(branch_params) if i not in live and ps]
-    if not dead:
-        return _ops.anchor(out, params, materialize=materialize) if params else out
-    live_ids = {id(p) for i in live for p in branch_params[i]}
-    seen = {id(t) for t in params}
-    for ps in dead:
-        for p in ps:
-            if p.requires_grad and id(p) not in live_ids and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    return _ops.anchor(out, params, materialize=materialize)
+    params += [p for p in table.dead_params(live_mask) if p.requires_grad]
+    return _ops.ops.anchor(out, params, materialize) if params else out
 
 
 class _Split:
@@ -352,45 +378,13 @@ def _pack(t: Tensor, plan: _ops.Plan) -> Tensor:
     return t.index_select(0, plan.rows)  # ids, masks: no gradient
 
 
-def _alias_rows(packed: Tensor, start: int, count: int) -> Tensor:
-    """Rows [start, start + count) of ``packed`` as a tensor of its own: same memory, but not a
-    view (no shared version counter), so a branch may modify its input in place."""
-    out = packed.new_empty(0)
-    return out.set_(
-        packed.untyped_storage(),
-        packed.storage_offset() + start * packed.stride(0),
-        (count, *packed.shape[1:]),
-        packed.stride(),
-    )
-
-
-class _GatherSplit(torch.autograd.Function):
-    """gather + split: one kernel packs every branch's rows, each branch gets its slice as a
-    tensor of its own. Backward: one combine reads the branches' input gradients where they are
-    (a list, never concatenated) and sums them back to rows (CSR by row: deterministic)."""
-
-    @staticmethod
-    def forward(ctx, x, rows, row_offsets, row_branch, row_pos, counts):
-        packed = _ops.ops.gather(x, rows, row_offsets, row_pos)
-        ctx.save_for_backward(rows, row_offsets, row_branch, row_pos)
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
-        return tuple(_alias_rows(packed, s, c) for s, c in zip(starts, counts))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *grads):
-        rows, row_offsets, row_branch, row_pos = ctx.saved_tensors
-        grad_x = _ops.ops.combine(None, list(grads), None, rows, row_offsets, row_branch, row_pos)
-        return grad_x, None, None, None, None, None
-
-
 def _route_rows(t: Tensor, plan: _ops.Plan, name: str = "x") -> List[Tensor]:
     """Each branch's rows of ``t`` (x or a per-row argument), in the plan's order."""
     if t.is_floating_point() and not torch.compiler.is_compiling():
-        _ops.check_device_supported(t, name)
-        return list(_GatherSplit.apply(t, plan.rows, plan.row_offsets, plan.row_branch, plan.row_pos, plan.counts))
+        _ops.check_device_supported(t, name)  # names x or the argument
+        # gather + split in one C++ op: each branch's rows as a tensor of its own (not a view, so
+        # in-place branches work); backward: one combine of the slices' gradients
+        return _ops.gather_split(t, plan)
     return _ops.split_packed(_pack(t, plan), plan)  # (traced: views of one packed buffer)
 
 
@@ -406,32 +400,37 @@ def _host_to(t: Tensor, device: torch.device) -> Tensor:
 
 
 def _forward(
-    branches: Sequence[Callable],
+    table: _BranchTable,
     x: Tensor,
     gate: Any,
     args: Tuple[Any, ...],
     kwargs: Dict[str, Any],
     materialize: bool,
     spec: Optional[_Signatures],
-    branch_params: Sequence[Tuple[Tensor, ...]],
-) -> Tensor:
+) -> Tuple[Tensor, int]:
+    """The output, and the bit mask of the branches that ran."""
+    branches = table.branches
     n = len(branches)
     _check_x(x)
-    kind, gate = _normalize_gate(gate, x, n)
-    check_per_row_devices(args, kwargs, x)
+    if type(gate) is int and -1 <= gate < n:
+        kind = "int"  # the common per-batch case, checked without a call
+    else:
+        kind, gate = _normalize_gate(gate, x, n)
+    if args or kwargs:
+        check_per_row_devices(args, kwargs, x)
     key = _input_key(x, args, kwargs) if spec is not None else None
 
     if kind == "int" and gate >= 0:
         # The whole batch goes to one branch: nothing but the branch (and a view for the anchor).
         out = _check_output(branches[gate](x, *args, **kwargs), gate, x.shape[0])
         _learn(spec, key, {gate: out}, branches, x, args, kwargs)
-        return _anchor_dead(out, branch_params, (gate,), materialize)
+        return _anchor_dead(out, table, 1 << gate, materialize), 1 << gate
     if kind == "int":
         # -1: no row reaches any branch. Zeros shaped like the branches' output, no plan; x is
         # anchored like the parameters, so whatever produced it still gets its hooks called.
         trailing, dtype = _learn(spec, key, {}, branches, x, args, kwargs)
         out = torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
-        return _anchor_dead(out, branch_params, (), materialize, extra=(x,))
+        return _anchor_dead(out, table, 0, materialize, extra=(x,)), 0
 
     plan = _ops.make_plan(gate, n, device=x.device)  # host counts; a device gate reads back once
     counts = plan.counts
@@ -444,18 +443,24 @@ def _forward(
                 # Every row goes to branch i alone, in order: run it on x itself.
                 out = _check_output(branches[i](x, *args, **kwargs), i, batch)
                 _learn(spec, key, {i: out}, branches, x, args, kwargs)
-                return _anchor_dead(out, branch_params, (i,), materialize)
+                return _anchor_dead(out, table, 1 << i, materialize), 1 << i
 
     xs = _route_rows(x, plan)
     routed_args, routed_kwargs = route_args(args, kwargs, batch, lambda t: _Split(_route_rows(t, plan, "a per-row argument")))
 
     live: Dict[int, Tensor] = {}
+    live_mask = 0
     for i, c in enumerate(counts):
         if c == 0:
             continue  # the branch never sees a row
-        a = tuple(v.parts[i] if isinstance(v, _Split) else v for v in routed_args)
-        kw = {k: v.parts[i] if isinstance(v, _Split) else v for k, v in routed_kwargs.items()}
-        live[i] = _check_output(branches[i](xs[i], *a, **kw), i, c)
+        if routed_args or routed_kwargs:
+            a = tuple(v.parts[i] if isinstance(v, _Split) else v for v in routed_args)
+            kw = {k: v.parts[i] if isinstance(v, _Split) else v for k, v in routed_kwargs.items()}
+            y = branches[i](xs[i], *a, **kw)
+        else:
+            y = branches[i](xs[i])
+        live[i] = _check_output(y, i, c)
+        live_mask |= 1 << i
 
     trailing, dtype = _learn(spec, key, live, branches, x, args, kwargs)
     ys: List[Tensor] = []
@@ -470,8 +475,9 @@ def _forward(
             ys.append(torch.empty((0, *trailing), dtype=dtype, device=x.device))
     if weights is not None:
         weights = _host_to(weights, ys[0].device)
-    out = _ops.combine(ys, plan, weights=weights)
-    return _anchor_dead(out, branch_params, live, materialize)
+    # the op itself: every ys[i] was checked against the plan's counts above
+    out = _ops.ops.combine(None, ys, weights, plan.rows, plan.row_offsets, plan.row_branch, plan.row_pos)
+    return _anchor_dead(out, table, live_mask, materialize), live_mask
 
 
 # ----------------------------------------------------------------------------------------------
@@ -551,21 +557,36 @@ class MaskedBranch(nn.Module):
         self.branches = branches if isinstance(branches, nn.ModuleList) else nn.ModuleList(mods)
         self.materialize_grads = bool(materialize_grads)
         self._signatures = _Signatures()
-        self._params = _structure.StructureCache()
+        self._tables: _structure.StructureCache[_BranchTable] = _structure.StructureCache()
+        self._usage = _structure.Usage()
 
     @property
     def num_branches(self) -> int:
         return len(self.branches)
 
-    def _branch_params(self) -> List[Tuple[Tensor, ...]]:
-        """Each branch's parameters, after checking (again, whenever the module structure may
-        have changed, e.g. by convert_sync_batchnorm) that no branch runs collectives."""
+    def _table(self) -> _BranchTable:
+        """The branches and their parameters, after checking (again, whenever the module
+        structure may have changed, e.g. by convert_sync_batchnorm) that no branch runs
+        collectives. ``del`` / ``insert`` on the ModuleList register nothing, hence the length
+        check."""
 
         def compute():
             _check_no_collectives(self.branches, check_params=True)
-            return [_params_of(b) for b in self.branches]
+            return _BranchTable(self.branches)
 
-        return self._params.get(compute)
+        table = self._tables.get(compute)
+        if len(table.branches) != len(self.branches):
+            self._tables.clear()
+            table = self._tables.get(compute)
+        return table
+
+    def _unit_params(self) -> List[Tuple[Tensor, ...]]:
+        """Each branch's parameters: the units whose use ``_usage`` records (bit i: branch i ran
+        in a call that built a graph), for :func:`maskedbranch.unused_grads_to_none`."""
+        return list(self._table().params)
+
+    def _unit_modules(self) -> List[nn.Module]:
+        return list(self._table().branches)
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .half() may replace parameter objects: refresh the cached lists.
@@ -574,10 +595,10 @@ class MaskedBranch(nn.Module):
         return out
 
     def forward(self, x: Tensor, gate: Any, *args: Any, **kwargs: Any) -> Tensor:
-        branch_params = self._branch_params()
-        return _forward(
-            list(self.branches), x, gate, args, kwargs, self.materialize_grads, self._signatures, branch_params
-        )
+        out, live_mask = _forward(self._table(), x, gate, args, kwargs, self.materialize_grads, self._signatures)
+        if torch.is_grad_enabled():
+            self._usage.bits |= live_mask
+        return out
 
     def extra_repr(self) -> str:
         return f"num_branches={len(self.branches)}" + (", materialize_grads=True" if self.materialize_grads else "")
@@ -591,4 +612,4 @@ def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any
     that get no rows are not checked."""
     branch_list = _as_branch_list(branches, callables=True)
     _check_no_collectives(branch_list, check_params=False)
-    return _forward(branch_list, x, gate, args, kwargs, False, None, [_params_of(b) for b in branch_list])
+    return _forward(_BranchTable(branch_list), x, gate, args, kwargs, False, None)[0]

@@ -39,6 +39,11 @@ def gather(x: Tensor, rows: Tensor) -> Tensor:
     return x.index_select(0, rows)
 
 
+def gather_split(x: Tensor, rows: Tensor, counts: Sequence[int]) -> List[Tensor]:
+    """Each branch's rows of x (copies, differentiable)."""
+    return [part.clone() for part in x.index_select(0, rows).split(list(counts))]
+
+
 def gather_backward(grad: Tensor, rows: Tensor, num_rows: int) -> Tensor:
     return grad.new_zeros((num_rows, *grad.shape[1:])).index_add_(0, rows, grad)
 

@@ -591,6 +591,8 @@ def test_no_synchronization_outside_plan(n):
     torch.cuda.set_sync_debug_mode("error")
     try:
         for p in (plan, host_plan):
+            parts = mb.gather_split(x, p)
+            sum(part.sum() for part in parts).backward(retain_graph=False)
             packed = mb.gather(x, p)
             ys = [y * 2 for y in mb.split_packed(packed, p)]
             out = mb.combine(ys, p, weights=weights, base=base)
@@ -650,8 +652,27 @@ def test_opcheck_drop_path_scale_anchor_and_channels_last():
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     torch.library.opcheck(ops.zeros_like_all, ([p.detach(), y.detach()],))
     x = dev(randn(6, 4, 3, 2, g=g)).to(memory_format=torch.channels_last).requires_grad_()
-    _, rows, row_offsets, _, row_pos = ops.plan(dev(torch.tensor([0, 1, 1, -1, 0, 1])), 2)
+    offsets, rows, row_offsets, row_branch, row_pos = ops.plan(dev(torch.tensor([0, 1, 1, -1, 0, 1])), 2)
     torch.library.opcheck(ops.gather, (x, rows, row_offsets, row_pos))
+    torch.library.opcheck(ops.gather_split, (x, rows, row_offsets, row_branch, row_pos, offsets.diff().tolist()),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_split_matches_cpu(dtype):
+    g = gen(63)
+    batch, n = 29, 4
+    gate = random_gate("bool", batch, n, g)
+    x = randn(batch, 3, 5, g=g, dtype=dtype).requires_grad_()
+    xd = dev(x.detach()).requires_grad_()
+    parts = mb.gather_split(x, mb.make_plan(gate, n))
+    dparts = mb.gather_split(xd, mb.make_plan(gate, n, device=xd.device))
+    grads = [randn(*p.shape, g=g, dtype=dtype) for p in parts]
+    for p, q in zip(parts, dparts):
+        assert_close(q, p, dict(atol=0, rtol=0))  # a copy: bit-exact
+    torch.autograd.backward(parts[1:], grads[1:])  # branch 0's gradient undefined: zeros
+    torch.autograd.backward(dparts[1:], [dev(t) for t in grads[1:]])
+    assert_close(xd.grad, x.grad, CLOSE[dtype])
 
 
 # ---------------------------------------------------------------------------------------------

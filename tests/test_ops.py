@@ -257,6 +257,84 @@ def test_deterministic_bitwise():
         assert torch.equal(a, b)
 
 
+# ---------------------------------------------------------------------------------------------
+# gather_split: gather, then each branch's slice as a tensor of its own
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["ids", "bool", "float"])
+def test_gather_split_matches_reference(dtype, kind):
+    gen = torch.Generator().manual_seed(41)
+    n, batch = 4, 21
+    gate = random_gate(kind, batch, n, gen)
+    if gate.dim() == 2:
+        gate[:, 2] = 0  # an empty branch
+    else:
+        gate[gate == 2] = -1
+    x = torch.randn(batch, 3, 5, generator=gen).to(dtype).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    plan = mb.make_plan(gate, n)
+    parts = mb.gather_split(x, plan)
+    want = ref.gather_split(x_ref, ref.plan(gate, n)[1], plan.counts)
+    assert [p.shape[0] for p in parts] == plan.counts
+    for p, w in zip(parts, want):
+        assert p.dtype == dtype and torch.equal(p, w)
+    # Gradients of some parts only (the others' are undefined: zeros); several rows per entry.
+    grads = [torch.randn(p.shape, generator=gen).to(dtype) for p in parts]
+    used = [i for i in range(n) if i != 1]
+    torch.autograd.backward([parts[i] for i in used], [grads[i] for i in used])
+    torch.autograd.backward([want[i] for i in used], [grads[i] for i in used])
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL[dtype])
+
+
+def test_gather_split_parts_are_separate_tensors():
+    x = torch.randn(6, 4, requires_grad=True)
+    plan = mb.make_plan(torch.tensor([0, 1, 0, 1, 1, 0]), 2)
+    a, b = mb.gather_split(x, plan)
+    assert a._base is None and b._base is None  # not views
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one packed buffer
+    version = b._version
+    a.relu()  # out of place: fine either way
+    c = a.clone()
+    c.mul_(2)
+    assert b._version == version
+    (a.sum() + 2 * b.sum()).backward()
+    assert torch.equal(x.grad, torch.tensor([1.0, 2, 1, 2, 2, 1])[:, None].expand(6, 4))
+
+
+def test_gradcheck_gather_split():
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn(9, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    plan = mb.make_plan(torch.rand(9, 3, generator=gen) < 0.5, 3)
+
+    def fn(x):
+        return tuple(p * (i + 1) for i, p in enumerate(mb.gather_split(x, plan)))
+
+    assert torch.autograd.gradcheck(fn, (x,))
+
+
+def test_opcheck_gather_split():
+    gen = torch.Generator().manual_seed(43)
+    x = torch.randn(10, 4, generator=gen, requires_grad=True)
+    gate = random_gate("bool", 10, 3, gen)
+    plan = mb.make_plan(gate, 3)
+    torch.library.opcheck(
+        ops.gather_split, (x, plan.rows, plan.row_offsets, plan.row_branch, plan.row_pos, plan.counts),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+
+
+def test_gather_split_bad_counts():
+    x = torch.randn(4, 2)
+    plan = mb.make_plan(torch.tensor([0, 1, 0, -1]), 2)
+    args = (x, plan.rows, plan.row_offsets, plan.row_branch, plan.row_pos)
+    with pytest.raises(ValueError, match="counts: they sum to 4 but the plan has 3"):
+        ops.gather_split(*args, [2, 2])
+    with pytest.raises(ValueError, match="counts: entry 0 is negative"):
+        ops.gather_split(*args, [-1, 4])
+    assert [p.shape[0] for p in ops.gather_split(*args, plan.counts)] == [2, 1]
+
+
 def test_anchor_gives_undefined_or_zero_grads():
     x = torch.randn(3, 2, requires_grad=True)
     p = torch.nn.Parameter(torch.randn(4))

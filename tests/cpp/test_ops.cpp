@@ -141,6 +141,22 @@ void test_gather_and_backward(const at::Device& dev) {
                "gather_backward");
 }
 
+void test_gather_split(const at::Device& dev) {
+  static auto handle = op("maskedbranch::gather_split")
+                           .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                          const at::Tensor&, const at::Tensor&, at::IntArrayRef)>();
+  auto p = plan(longs({1, 0, 1, -1, 0}).to(dev), 3);
+  auto x = at::tensor({0.f, 1.f, 10.f, 11.f, 20.f, 21.f, 30.f, 31.f, 40.f, 41.f}).view({5, 2}).to(dev);
+  auto parts = handle.call(x, std::get<1>(p), std::get<2>(p), std::get<3>(p), std::get<4>(p), {2, 2, 0});
+  EXPECT(parts.size() == 3, "gather_split returned " << parts.size() << " tensors");
+  if (parts.size() == 3) {
+    expect_equal(parts[0], at::tensor({10.f, 11.f, 40.f, 41.f}).view({2, 2}), "gather_split[0]");
+    expect_equal(parts[1], at::tensor({0.f, 1.f, 20.f, 21.f}).view({2, 2}), "gather_split[1]");
+    expect_equal(parts[2], at::empty({0, 2}), "gather_split[2]");
+    EXPECT(!parts[1].is_view(), "gather_split: a part is a view");
+  }
+}
+
 void test_combine(const at::Device& dev) {
   auto p = plan(longs({1, 0, 1, -1, 0}).to(dev), 3);
   auto opts = at::TensorOptions().dtype(at::kFloat).device(dev);
@@ -219,6 +235,7 @@ void run_all(const at::Device& dev) {
       {"plan_ids", test_plan_ids},
       {"plan_mask", test_plan_mask},
       {"gather_and_backward", test_gather_and_backward},
+      {"gather_split", test_gather_split},
       {"combine", test_combine},
       {"drop_path_scale", test_drop_path_scale},
       {"zeros_like_all", test_zeros_like_all},
