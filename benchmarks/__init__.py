@@ -12,6 +12,24 @@ from typing import Callable, Dict, List
 import torch
 
 
+def keep_freed_memory_mapped() -> bool:
+    """glibc serves large blocks with mmap and returns them to the OS on free, so every large
+    output would be page-faulted in again and CPU timings of memory-bound ops would measure page
+    faults, not bandwidth. Keep freed memory mapped for this process (Linux/glibc only); returns
+    whether that worked."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4
+        no_mmap = libc.mallopt(m_mmap_max, 0)  # every block from the heap ...
+        no_trim = libc.mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1))  # ... which is never trimmed
+        return bool(no_mmap and no_trim)
+    except (OSError, AttributeError):
+        return False
+
+
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
