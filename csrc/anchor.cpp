@@ -93,6 +93,30 @@ at::Tensor anchor_autograd(const at::Tensor& x, at::TensorList params, bool mate
 
 }  // namespace
 
+// The eager fast path of anchoring: instead of returning a view of `out` whose node carries the
+// parameters, put the node into `out`'s own history (its gradient edge now leads through the
+// anchor to the old one). No view, no dispatch, and in-place ops on `out` keep working. Only for
+// a tensor produced by an op (not a leaf, not a view, whose history autograd may regenerate);
+// returns false when it does not apply, and the caller uses the op instead.
+bool anchor_into_history(const at::Tensor& out, at::TensorList params, bool materialize) {
+  if (!at::GradMode::is_enabled() || !out.defined() || out.is_view() || !out.requires_grad() ||
+      out.grad_fn() == nullptr) {
+    return false;
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK_VALUE(params[i].defined(), "params: entry ", i, " is undefined");
+  }
+  if (!torch::autograd::compute_requires_grad(params)) return true;  // nothing to anchor
+  auto node = make_node<AnchorBackward>(params.size(), materialize);
+  auto edges = torch::autograd::collect_next_edges(params);
+  edges.insert(edges.begin(), torch::autograd::impl::gradient_edge(out));
+  node->set_next_edges(std::move(edges));
+  if (materialize) static_cast<AnchorBackward*>(node.get())->params = params.vec();
+  node->add_input_metadata(out);
+  torch::autograd::impl::set_gradient_edge(out, {node, 0});
+  return true;
+}
+
 TORCH_LIBRARY_IMPL(maskedbranch, CompositeExplicitAutograd, m) {
   m.impl("anchor", &anchor_view);
   m.impl("zeros_like_all", &zeros_like_all);

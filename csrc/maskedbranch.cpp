@@ -9,11 +9,53 @@
 #include <torch/library.h>
 
 #ifndef MASKEDBRANCH_NO_PYTHON
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace maskedbranch {
+bool anchor_into_history(const at::Tensor& out, at::TensorList params, bool materialize);
+}
+
+namespace {
+// _C.anchor_into_history(out, params, materialize) -> bool: MaskedBranch's per-call anchor in
+// eager mode, called directly (a routed layer runs it on every call; see csrc/anchor.cpp).
+PyObject* py_anchor_into_history(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* out_obj = nullptr;
+  PyObject* params_obj = nullptr;
+  int materialize = 0;
+  if (!PyArg_ParseTuple(args, "OOp", &out_obj, &params_obj, &materialize)) return nullptr;
+  TORCH_CHECK_TYPE(THPVariable_Check(out_obj), "out: expected a tensor");
+  PyObject* seq = PySequence_Fast(params_obj, "params: expected a sequence of tensors");
+  if (seq == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  std::vector<at::Tensor> params;
+  params.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
+    if (!THPVariable_Check(item)) {
+      Py_DECREF(seq);
+      TORCH_CHECK_TYPE(false, "params[", i, "]: expected a tensor");
+    }
+    params.push_back(THPVariable_Unpack(item));
+  }
+  Py_DECREF(seq);
+  return PyBool_FromLong(maskedbranch::anchor_into_history(THPVariable_Unpack(out_obj), params, materialize != 0));
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef methods[] = {
+    {"anchor_into_history", py_anchor_into_history, METH_VARARGS,
+     "anchor_into_history(out, params, materialize) -> bool"},
+    {nullptr, nullptr, 0, nullptr},
+};
+}  // namespace
+
 extern "C" {
-// The extension only registers ops, but setuptools builds it as a Python module, which
-// needs an init function. Importing it runs the static TORCH_LIBRARY initializers.
+// setuptools builds the extension as a Python module, which needs an init function. Importing
+// it runs the static TORCH_LIBRARY initializers.
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* module = PyModule_Create(&module_def);
 #ifdef MASKEDBRANCH_WITH_CUDA
   if (module != nullptr) PyModule_AddIntConstant(module, "WITH_CUDA", 1);

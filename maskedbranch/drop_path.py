@@ -386,7 +386,8 @@ class ResidualDropPath(nn.Module):
 
     Branches that run collectives (``SyncBatchNorm``) cannot be skipped on one rank while the
     others run them (the collective would hang); they are refused in training with
-    ``drop_prob > 0``.
+    ``drop_prob > 0``. With :func:`maskedbranch.unused_grads_to_none`, a branch dropped on every
+    rank gets ``None`` gradients, so the optimizer skips it.
     """
 
     def __init__(

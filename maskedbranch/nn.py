@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from . import _ops, _structure
+from . import _C, _ops, _structure
 from ._args import check_per_row_devices, is_per_row, route_args
 
 __all__ = ["MaskedBranch", "masked_branch"]
@@ -360,7 +360,11 @@ def _anchor_dead(
     # requires_grad is read on every call: freezing a branch changes no structure
     params = [t for t in extra if t.requires_grad]
     params += [p for p in table.dead_params(live_mask) if p.requires_grad]
-    return _ops.ops.anchor(out, params, materialize) if params else out
+    if not params:
+        return out
+    if type(out) is Tensor and not torch.compiler.is_compiling() and _C.anchor_into_history(out, params, materialize):
+        return out  # the anchor went into out's own history: no view, no op dispatch
+    return _ops.ops.anchor(out, params, materialize)
 
 
 class _Split:
@@ -520,6 +524,8 @@ class MaskedBranch(nn.Module):
             where no rank used them). Without DDP their ``.grad`` is left as is, as with if/else.
             ``True``: zero tensors (one batched fill), for FSDP2 (``fully_shard`` reduces only
             defined gradients) or for code that expects every ``.grad`` to be defined.
+            :func:`maskedbranch.unused_grads_to_none` makes the optimizer skip branches that no
+            rank ran (``None`` gradients), as with if/else and ``find_unused_parameters=True``.
 
     ``forward(x, gate, *args, **kwargs)``, where ``x`` is ``[B, ...]`` and ``gate`` is:
 

@@ -582,17 +582,41 @@ def test_branches_modifying_their_input_in_place(kind):
     torch.testing.assert_close(x.grad, x2.grad)
 
 
-def test_inplace_on_output():
-    """In-place ops on the output (e.g. nn.ReLU(inplace=True) after it) hit autograd's rule for
-    views made inside a custom Function when a branch was anchored."""
+@pytest.mark.parametrize("gate", [1, "ids"])
+def test_inplace_on_output(gate):
+    """In-place ops on the output (e.g. nn.ReLU(inplace=True) after it) work: the anchor of the
+    branches that did not run goes into the output's own history, and gradients stay exact."""
     m = MaskedBranch(make_branches())
-    x = torch.randn(B, D_IN, dtype=torch.float64)
-    out = m(x, torch.zeros(B, N, dtype=torch.bool).fill_(True))  # every branch live: no anchor
+    x = torch.randn(B, D_IN, dtype=torch.float64, requires_grad=True)
+    g = gate if isinstance(gate, int) else torch.tensor([1, 0, 1, -1, 0, 1, 1, 0, 0, 1])[:B]
+    fired = []
+    for p in m.branches[2].parameters():  # branch 2 never runs: anchored
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    out = m(x, g)
+    assert not out._is_view()
     out.relu_()
+    out.square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    ref_branches = copy.deepcopy(list(m.branches))
+    want = reference.masked_branch_ifelse(ref_branches, x_ref, g, N)
+    want.relu().square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for p, q in zip(m.parameters(), nn.ModuleList(ref_branches).parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert len(fired) == 4  # the anchored parameters' hooks ran (what DDP relies on)
+
+
+def test_inplace_on_output_of_a_view_branch():
+    """A branch returning its input (or a view of it) cannot take the anchor into its history:
+    the output is then the anchor's view, and in-place ops on it hit autograd's rule for views
+    returned by a custom function."""
+    m = MaskedBranch([nn.Identity(), nn.Linear(D_IN, D_IN).double()])
+    x = torch.randn(B, D_IN, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="view"):
-        m(x, 1).relu_()  # known limitation of the anchor being a view
+        m(x, 0).relu_()
+    m(x, 1).relu_()  # a Linear's output: fine
     with torch.no_grad():
-        m(x, 1).relu_()  # nothing anchored without grad
+        m(x, 0).relu_()  # nothing anchored without grad
 
 
 # ----------------------------------------------------------------------------------------------
