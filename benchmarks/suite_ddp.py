@@ -145,7 +145,7 @@ def run(cfg) -> list:
     cuda = cfg.device == "cuda"
     world = 1 if cuda else 2
     c = dict(device=cfg.device, layers=24, d=32 if cfg.quick else 64, h=64 if cfg.quick else 256,
-             batch=16 if cfg.quick else 64, reps=40, warmup=2 if cfg.quick else 5)
+             batch=16 if cfg.quick else 64, reps=100 if cfg.quick else 60, warmup=3 if cfg.quick else 5)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ddp.json")
         mp.spawn(_worker, args=(world, c, _free_port(), path), nprocs=world, join=True)
