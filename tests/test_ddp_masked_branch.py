@@ -9,7 +9,6 @@ gradients.
 import copy
 import inspect
 import os
-import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -17,11 +16,12 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from maskedbranch import MaskedBranch, reference
+
+from rank_jobs import results_of, run_ranks
 
 WORLD = 4
 N = 3  # branches
@@ -313,30 +313,10 @@ def _worker(rank, world, init_file, out_dir):
 @pytest.fixture(scope="module")
 def ranks():
     """Per-rank results of every scenario, from one 4-process gloo job."""
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        ctx = mp.start_processes(
-            _worker, args=(WORLD, init_file, tmp), nprocs=WORLD, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not ctx.join(timeout=5):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"the DDP job did not finish within {TIMEOUT_S} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD, TIMEOUT_S, "the DDP job")
 
 
-def result(ranks, name):
-    out = []
-    for r, res in enumerate(ranks):
-        status, value = res[name]
-        assert status == "ok", f"rank {r}, {name}:\n{value}"
-        out.append(value)
-    return out
+result = results_of
 
 
 # ----------------------------------------------------------------------------------------------

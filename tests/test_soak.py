@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
-import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -18,9 +17,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from rank_jobs import run_ranks
 
 WORLD = 4
 STEPS = int(os.environ.get("SOAK_STEPS", 500))  # e.g. SOAK_STEPS=5000 for a longer local run
@@ -138,19 +138,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks():
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        ctx = mp.start_processes(_worker, args=(WORLD, init_file, tmp), nprocs=WORLD, join=False, start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not ctx.join(timeout=5):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"the soak job did not finish within {TIMEOUT_S} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD, TIMEOUT_S, "the soak job")
 
 
 def test_no_rank_failed(ranks):

@@ -7,19 +7,18 @@ model three ways and compares parameters and optimizer state after every step.
 """
 import copy
 import os
-import tempfile
-import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from maskedbranch import MaskedBranch, ResidualDropPath, reference, unused_grads_to_none
+
+from rank_jobs import results_of, run_ranks
 
 WORLD = 4
 N = 3
@@ -347,28 +346,12 @@ def _worker(rank, world, init_file, out_dir):
 def ranks():
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with gloo")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        ctx = mp.start_processes(_worker, args=(WORLD, init_file, tmp), nprocs=WORLD, join=False, start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not ctx.join(timeout=5):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"the DDP job did not finish within {TIMEOUT_S} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD, TIMEOUT_S, "the DDP job")
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_ddp_matches_ifelse_find_unused(ranks, case):
-    results = []
-    for r, res in enumerate(ranks):
-        status, value = res[case]
-        assert status == "ok", f"rank {r}, {case}:\n{value}"
-        results.append(value)
+    results = results_of(ranks, case)
     for r, res in enumerate(results):
         assert res["worst"] < 1e-10, f"rank {r}: masked + hook differs from if/else by {res['worst']}"
         assert res["state_equal"], f"rank {r}: the optimizer kept state for other parameters than if/else"
@@ -381,11 +364,7 @@ def test_ddp_matches_ifelse_find_unused(ranks, case):
 
 
 def test_without_ddp_prunes_what_no_rank_used(ranks):
-    results = []
-    for r, res in enumerate(ranks):
-        status, value = res["no-ddp"]
-        assert status == "ok", f"rank {r}:\n{value}"
-        results.append(value)
+    results = results_of(ranks, "no-ddp")
     for r, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {r}: (step, layer, branch, pruned) wrong: {res['mismatches']}"
         for p, q in zip(res["params"], results[0]["params"]):
