@@ -175,8 +175,14 @@ def _arg_sig(a: Any, batch: int):
     return type(a)
 
 
+# One cheap call answers "is autocast on anywhere" (private API, hence the fallback).
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
 def _autocast_dtype(x: Tensor, device: Optional[torch.device] = None) -> Optional[torch.dtype]:
     """The dtype autocast casts to on x's device type, or None when autocast is off there."""
+    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
+        return None
     device_type = (x.device if device is None else device).type
     try:
         return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
@@ -425,9 +431,11 @@ def _forward(
     key = _input_key(x, args, kwargs) if spec is not None else None
 
     if kind == "int" and gate >= 0:
-        # The whole batch goes to one branch: nothing but the branch (and a view for the anchor).
+        # The whole batch goes to one branch: nothing but the branch (and the anchor).
         out = _check_output(branches[gate](x, *args, **kwargs), gate, x.shape[0])
-        _learn(spec, key, {gate: out}, branches, x, args, kwargs)
+        known = spec.table.get(key) if spec is not None and not spec.first_call else None
+        if known is None or out.dtype != known[1] or out.shape[1:] != known[0]:
+            _learn(spec, key, {gate: out}, branches, x, args, kwargs)  # (inline above: the usual case)
         return _anchor_dead(out, table, 1 << gate, materialize), 1 << gate
     if kind == "int":
         # -1: no row reaches any branch. Zeros shaped like the branches' output, no plan; x is
