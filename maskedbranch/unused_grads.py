@@ -124,7 +124,11 @@ class UnusedGradsToNone:
         if self.process_group is not None:
             import torch.distributed as dist
 
-            flags = flags.to(self._bits_device())
+            device = self._bits_device()
+            if device.type == "cuda":
+                # pinned and non-blocking: no host wait at the end of the forward (the copy
+                # queues behind the forward's kernels); `flags` is read back at the step
+                flags = flags.pin_memory().to(device, non_blocking=True)
             work = dist.all_reduce(flags, group=self.process_group, async_op=async_op)
         self._pending.append((layout, work, flags))
 
