@@ -549,6 +549,19 @@ def test_masked_branch(batch, n, trailing, dtype, layout, kind, pattern, density
 
 
 drop_probs = st.one_of(st.sampled_from([0.0, 1.0, 0.5]), st.floats(0.0, 1.0, allow_nan=False))
+# The inputs both drop-path properties draw (the functional forms and the modules).
+DROP_CASES = dict(
+    batch=batches,
+    trailing=trailing_shapes,
+    dtype=st.sampled_from(DTYPES),
+    layout=st.sampled_from(LAYOUTS),
+    p=drop_probs,
+    mode=st.sampled_from(["row", "batch"]),
+    scale_by_keep=st.booleans(),
+    training=st.sampled_from([True, True, True, False]),
+    module=st.booleans(),
+    seed=seeds,
+)
 
 
 def _mask(batch: int, p: float, mode: str, seed: int) -> Tensor:
@@ -563,18 +576,7 @@ def _factor(p: float, scale_by_keep: bool, dtype: torch.dtype) -> float:
 
 
 @fuzz("drop_path")
-@given(
-    batch=batches,
-    trailing=trailing_shapes,
-    dtype=st.sampled_from(DTYPES),
-    layout=st.sampled_from(LAYOUTS),
-    p=drop_probs,
-    mode=st.sampled_from(["row", "batch"]),
-    scale_by_keep=st.booleans(),
-    training=st.sampled_from([True, True, True, False]),
-    module=st.booleans(),
-    seed=seeds,
-)
+@given(**DROP_CASES)
 def test_drop_path(batch, trailing, dtype, layout, p, mode, scale_by_keep, training, module, seed):
     RAN["drop_path"] += 1
     gen = torch.Generator().manual_seed(seed)
@@ -602,18 +604,7 @@ def test_drop_path(batch, trailing, dtype, layout, p, mode, scale_by_keep, train
 
 
 @fuzz("residual")
-@given(
-    batch=batches,
-    trailing=trailing_shapes,
-    dtype=st.sampled_from(DTYPES),
-    layout=st.sampled_from(LAYOUTS),
-    p=drop_probs,
-    mode=st.sampled_from(["row", "batch"]),
-    scale_by_keep=st.booleans(),
-    training=st.sampled_from([True, True, True, False]),
-    module=st.booleans(),
-    seed=seeds,
-)
+@given(**DROP_CASES)
 def test_residual(batch, trailing, dtype, layout, p, mode, scale_by_keep, training, module, seed):
     RAN["residual"] += 1
     gen = torch.Generator().manual_seed(seed)
