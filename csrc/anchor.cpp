@@ -5,16 +5,21 @@
 #include <torch/library.h>
 
 #include "autograd_node.h"
+#include "op_calls.h"
 
 namespace maskedbranch {
 namespace {
 
 using torch::autograd::variable_list;
 
-at::Tensor anchor_view(const at::Tensor& x, at::TensorList params, bool materialize) {
+void check_params(at::TensorList params) {
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK_VALUE(params[i].defined(), "params: entry ", i, " is undefined");
   }
+}
+
+at::Tensor anchor_view(const at::Tensor& x, at::TensorList params, bool materialize) {
+  check_params(params);
   return x.alias();
 }
 
@@ -41,10 +46,7 @@ struct AnchorBackward : public torch::autograd::Node {
         if (should_compute_output(1 + i)) wanted.push_back(params[i]);
       }
       if (!wanted.empty()) {
-        auto zeros = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("maskedbranch::zeros_like_all", "")
-                         .typed<std::vector<at::Tensor>(at::TensorList)>()
-                         .call(wanted);
+        auto zeros = call_zeros_like_all(wanted);
         size_t k = 0;
         for (size_t i = 0; i < count; ++i) {
           if (should_compute_output(1 + i)) out[1 + i] = std::move(zeros[k++]);
@@ -64,15 +66,22 @@ struct AnchorBackward : public torch::autograd::Node {
   std::vector<at::Tensor> params;  // with materialize only: their layout (never their values)
 };
 
+// The node whose backward passes the gradient of its one input on along `through` and hands
+// `params` theirs.
+NodePtr anchor_node(torch::autograd::Edge through, at::TensorList params, bool materialize) {
+  auto node = make_node<AnchorBackward>(params.size(), materialize);
+  auto edges = torch::autograd::collect_next_edges(params);
+  edges.insert(edges.begin(), std::move(through));
+  node->set_next_edges(std::move(edges));
+  if (materialize) static_cast<AnchorBackward*>(node.get())->params = params.vec();
+  return node;
+}
+
 at::Tensor anchor_autograd(const at::Tensor& x, at::TensorList params, bool materialize) {
-  for (size_t i = 0; i < params.size(); ++i) {
-    TORCH_CHECK_VALUE(params[i].defined(), "params: entry ", i, " is undefined");
-  }
+  check_params(params);
   NodePtr node;
   if (torch::autograd::compute_requires_grad(x, params)) {
-    node = make_node<AnchorBackward>(params.size(), materialize);
-    node->set_next_edges(torch::autograd::collect_next_edges(x, params));
-    if (materialize) static_cast<AnchorBackward*>(node.get())->params = params.vec();
+    node = anchor_node(torch::autograd::collect_next_edges(x).front(), params, materialize);
   }
   at::Tensor out;
   {
@@ -103,15 +112,9 @@ bool anchor_into_history(const at::Tensor& out, at::TensorList params, bool mate
       out.grad_fn() == nullptr) {
     return false;
   }
-  for (size_t i = 0; i < params.size(); ++i) {
-    TORCH_CHECK_VALUE(params[i].defined(), "params: entry ", i, " is undefined");
-  }
+  check_params(params);
   if (!torch::autograd::compute_requires_grad(params)) return true;  // nothing to anchor
-  auto node = make_node<AnchorBackward>(params.size(), materialize);
-  auto edges = torch::autograd::collect_next_edges(params);
-  edges.insert(edges.begin(), torch::autograd::impl::gradient_edge(out));
-  node->set_next_edges(std::move(edges));
-  if (materialize) static_cast<AnchorBackward*>(node.get())->params = params.vec();
+  auto node = anchor_node(torch::autograd::impl::gradient_edge(out), params, materialize);
   node->add_input_metadata(out);
   torch::autograd::impl::set_gradient_edge(out, {node, 0});
   return true;

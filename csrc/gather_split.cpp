@@ -8,40 +8,13 @@
 #include <torch/library.h>
 
 #include "autograd_node.h"
+#include "op_args.h"
+#include "op_calls.h"
 
 namespace maskedbranch {
 namespace {
 
 using torch::autograd::variable_list;
-using OptTensor = c10::optional<at::Tensor>;
-
-at::Tensor call_gather(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& row_offsets,
-                       const at::Tensor& row_pos) {
-  static auto h = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("maskedbranch::gather", "")
-                      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-  return h.call(x, rows, row_offsets, row_pos);
-}
-
-at::Tensor call_combine(at::TensorList ys, const at::Tensor& rows, const at::Tensor& row_offsets,
-                        const at::Tensor& row_branch, const at::Tensor& row_pos) {
-  static auto h = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("maskedbranch::combine", "")
-                      .typed<at::Tensor(const OptTensor&, at::TensorList, const OptTensor&, const at::Tensor&,
-                                        const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-  return h.call(c10::nullopt, ys, c10::nullopt, rows, row_offsets, row_branch, row_pos);
-}
-
-std::vector<int64_t> checked_counts(at::IntArrayRef counts, int64_t entries) {
-  int64_t total = 0;
-  for (size_t i = 0; i < counts.size(); ++i) {
-    TORCH_CHECK_VALUE(counts[i] >= 0, "counts: entry ", i, " is negative (", counts[i], ")");
-    total += counts[i];
-  }
-  TORCH_CHECK_VALUE(total == entries, "counts: they sum to ", total, " but the plan has ", entries,
-                    " entries (rows.size(0))");
-  return counts.vec();
-}
 
 // Rows [start, start + count) of `packed` as a tensor of its own.
 at::Tensor alias_rows(const at::Tensor& packed, int64_t start, int64_t count) {
@@ -51,22 +24,15 @@ at::Tensor alias_rows(const at::Tensor& packed, int64_t start, int64_t count) {
       .set_(packed.storage(), packed.storage_offset() + start * packed.stride(0), sizes, packed.strides());
 }
 
-std::vector<at::Tensor> split_rows(const at::Tensor& packed, const std::vector<int64_t>& counts) {
-  std::vector<at::Tensor> parts;
-  parts.reserve(counts.size());
-  int64_t start = 0;
-  for (int64_t c : counts) {
-    parts.push_back(alias_rows(packed, start, c));
-    start += c;
-  }
-  return parts;
-}
-
 std::vector<at::Tensor> gather_split(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& row_offsets,
                                      const at::Tensor& row_branch, const at::Tensor& row_pos,
                                      at::IntArrayRef counts) {
-  auto sizes = checked_counts(counts, rows.size(0));
-  return split_rows(call_gather(x, rows, row_offsets, row_pos), sizes);
+  const auto starts = branch_starts(counts, rows);
+  const auto packed = call_gather(x, rows, row_offsets, row_pos);
+  std::vector<at::Tensor> parts;
+  parts.reserve(counts.size());
+  for (size_t i = 0; i < counts.size(); ++i) parts.push_back(alias_rows(packed, starts[i], counts[i]));
+  return parts;
 }
 
 struct GatherSplitBackward : public torch::autograd::Node {
@@ -80,7 +46,7 @@ struct GatherSplitBackward : public torch::autograd::Node {
         grads[i] = at::zeros(sizes, options);
       }
     }
-    return {call_combine(grads, rows, row_offsets, row_branch, row_pos)};
+    return {call_combine(c10::nullopt, grads, c10::nullopt, rows, row_offsets, row_branch, row_pos)};
   }
   std::string name() const override { return "maskedbranch::GatherSplitBackward"; }
   void release_variables() override {
@@ -98,13 +64,10 @@ struct GatherSplitBackward : public torch::autograd::Node {
 std::vector<at::Tensor> gather_split_autograd(const at::Tensor& x, const at::Tensor& rows,
                                               const at::Tensor& row_offsets, const at::Tensor& row_branch,
                                               const at::Tensor& row_pos, at::IntArrayRef counts) {
-  auto sizes = checked_counts(counts, rows.size(0));
-  at::Tensor packed;
   std::vector<at::Tensor> parts;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    packed = call_gather(x, rows, row_offsets, row_pos);
-    parts = split_rows(packed, sizes);
+    parts = gather_split(x, rows, row_offsets, row_branch, row_pos, counts);
   }
   if (torch::autograd::compute_requires_grad(x)) {
     auto node = make_node<GatherSplitBackward>();
@@ -114,9 +77,9 @@ std::vector<at::Tensor> gather_split_autograd(const at::Tensor& x, const at::Ten
     fn->row_offsets = row_offsets;
     fn->row_branch = row_branch;
     fn->row_pos = row_pos;
-    fn->counts = sizes;
+    fn->counts = counts.vec();
     fn->trailing = x.sizes().slice(1).vec();
-    fn->options = packed.options();
+    fn->options = parts.front().options();  // one part per branch: never empty
     for (const auto& part : parts) torch::autograd::set_history(part, node);
   }
   return parts;

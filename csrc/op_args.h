@@ -143,6 +143,20 @@ struct CombineBackwardYsArgs {
   at::MemoryFormat format;
 };
 
+// The first packed row of each branch (N + 1 entries) from its row counts, which must be
+// non-negative and add up to the plan's entries.
+inline std::vector<int64_t> branch_starts(c10::IntArrayRef counts, const at::Tensor& rows) {
+  TORCH_CHECK_VALUE(!counts.empty(), "counts: expected one row count per branch, got none");
+  std::vector<int64_t> starts{0};
+  for (auto c : counts) {
+    TORCH_CHECK_VALUE(c >= 0, "counts: expected non-negative row counts, got ", counts);
+    starts.push_back(starts.back() + c);
+  }
+  TORCH_CHECK_VALUE(starts.back() == rows.numel(), "counts: they add up to ", starts.back(),
+                    " rows but rows holds ", rows.numel());
+  return starts;
+}
+
 inline CombineBackwardYsArgs check_combine_backward_ys(const at::Tensor& grad,
                                                       const c10::optional<at::Tensor>& weights,
                                                       const at::Tensor& rows,
@@ -151,15 +165,8 @@ inline CombineBackwardYsArgs check_combine_backward_ys(const at::Tensor& grad,
   check_floating(grad, "grad");
   check_index(rows, "rows");
   check_same_device(rows, grad, "rows", "grad");
-  TORCH_CHECK_VALUE(!counts.empty(), "counts: expected one row count per branch, got none");
   CombineBackwardYsArgs a;
-  a.starts.push_back(0);
-  for (auto c : counts) {
-    TORCH_CHECK_VALUE(c >= 0, "counts: expected non-negative row counts, got ", counts);
-    a.starts.push_back(a.starts.back() + c);
-  }
-  TORCH_CHECK_VALUE(a.starts.back() == rows.numel(), "counts: they add up to ", a.starts.back(),
-                    " rows but rows holds ", rows.numel());
+  a.starts = branch_starts(counts, rows);
   if (weights.has_value() && weights->defined()) {
     check_floating(*weights, "weights");
     check_same_device(*weights, grad, "weights", "grad");
