@@ -431,13 +431,10 @@ class ResidualDropPath(nn.Module):
             self._usage.bits = 1
         return out
 
-    def _unit_params(self) -> List[Tuple[Tensor, ...]]:
-        """The branch's parameters: the one unit whose use ``_usage`` records, for
+    def _units(self) -> List[Tuple[nn.Module, Tuple[Tensor, ...]]]:
+        """The branch and its parameters: the one unit whose use ``_usage`` records, for
         :func:`maskedbranch.unused_grads_to_none`."""
-        return [tuple(self.branch.parameters())]
-
-    def _unit_modules(self) -> List[nn.Module]:
-        return [self.branch]
+        return [(self.branch, tuple(self.branch.parameters()))]
 
     def extra_repr(self) -> str:
         s = f"drop_prob={round(self.drop_prob, 3):0.3f}, mode={self.mode}"

@@ -433,9 +433,7 @@ def _forward(
     if kind == "int" and gate >= 0:
         # The whole batch goes to one branch: nothing but the branch (and the anchor).
         out = _check_output(branches[gate](x, *args, **kwargs), gate, x.shape[0])
-        known = spec.table.get(key) if spec is not None and not spec.first_call else None
-        if known is None or out.dtype != known[1] or out.shape[1:] != known[0]:
-            _learn(spec, key, {gate: out}, branches, x, args, kwargs)  # (inline above: the usual case)
+        _learn(spec, key, {gate: out}, branches, x, args, kwargs)
         return _anchor_dead(out, table, 1 << gate, materialize), 1 << gate
     if kind == "int":
         # -1: no row reaches any branch. Zeros shaped like the branches' output, no plan; x is
@@ -594,13 +592,11 @@ class MaskedBranch(nn.Module):
             table = self._tables.get(compute)
         return table
 
-    def _unit_params(self) -> List[Tuple[Tensor, ...]]:
-        """Each branch's parameters: the units whose use ``_usage`` records (bit i: branch i ran
-        in a call that built a graph), for :func:`maskedbranch.unused_grads_to_none`."""
-        return list(self._table().params)
-
-    def _unit_modules(self) -> List[nn.Module]:
-        return list(self._table().branches)
+    def _units(self) -> List[Tuple[nn.Module, Tuple[Tensor, ...]]]:
+        """Each branch and its parameters: the units whose use ``_usage`` records (bit i: branch
+        i ran in a call that built a graph), for :func:`maskedbranch.unused_grads_to_none`."""
+        table = self._table()
+        return list(zip(table.branches, table.params))
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .half() may replace parameter objects: refresh the cached lists.

@@ -25,16 +25,16 @@ from . import _structure
 __all__ = ["UnusedGradsToNone", "unused_grads_to_none"]
 
 
-def _unit_modules(model: nn.Module) -> List[nn.Module]:
+def _routing_modules(model: nn.Module) -> List[nn.Module]:
     """The modules that record which of their units (branches) ran."""
-    return [m for m in model.modules() if hasattr(m, "_usage") and hasattr(m, "_unit_params")]
+    return [m for m in model.modules() if hasattr(m, "_usage") and hasattr(m, "_units")]
 
 
 class _Layout:
     """Which parameters can be pruned, grouped by the units (branches) they belong to."""
 
     def __init__(self, model: nn.Module):
-        self.modules = _unit_modules(model)
+        self.modules = _routing_modules(model)
         self.unit_counts: List[int] = []
         units_of: Dict[int, List[int]] = {}
         params: Dict[int, Tensor] = {}
@@ -42,7 +42,7 @@ class _Layout:
         unit = 0
         for m in self.modules:
             start = unit
-            for branch, ps in zip(m._unit_modules(), m._unit_params()):
+            for branch, ps in m._units():
                 branch_modules.add(id(branch))
                 for p in ps:
                     params[id(p)] = p
@@ -86,13 +86,14 @@ class UnusedGradsToNone:
 
         ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         self.model = model.module if ddp else model
-        if not _unit_modules(self.model):
+        if not _routing_modules(self.model):
             raise ValueError(
                 "model: contains no MaskedBranch or ResidualDropPath, so no parameter can be found unused"
             )
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = model.process_group if ddp else dist.group.WORLD
         self.process_group = process_group
+        self._bits_device = None if process_group is None else self._device_for(process_group)
         self._layout: _structure.StructureCache[_Layout] = _structure.StructureCache()
         self._pending: List[Tuple[_Layout, Any, Tensor]] = []  # (layout, work, flags) per launch
         self._handles = [optimizer.register_step_pre_hook(self._before_step)]
@@ -103,10 +104,12 @@ class UnusedGradsToNone:
     def _current_layout(self) -> _Layout:
         return self._layout.get(lambda: _Layout(self.model))
 
-    def _bits_device(self) -> torch.device:
+    @staticmethod
+    def _device_for(process_group: Any) -> torch.device:
+        """Where the used bits live for ``process_group``'s backend."""
         import torch.distributed as dist
 
-        backend = str(dist.get_backend(self.process_group)).lower()
+        backend = str(dist.get_backend(process_group)).lower()
         if "gloo" in backend or "mpi" in backend or "nccl" not in backend:
             return torch.device("cpu")
         return torch.device("cuda", torch.cuda.current_device())  # NCCL reduces device tensors only
@@ -124,7 +127,7 @@ class UnusedGradsToNone:
         if self.process_group is not None:
             import torch.distributed as dist
 
-            device = self._bits_device()
+            device = self._bits_device
             if device.type == "cuda":
                 # pinned and non-blocking: no host wait at the end of the forward (the copy
                 # queues behind the forward's kernels); `flags` is read back at the step
