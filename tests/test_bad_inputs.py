@@ -29,6 +29,8 @@ from torch import Tensor, nn
 import maskedbranch as mb
 from maskedbranch import DropPath, MaskedBranch, ResidualDropPath, drop_add_residual, drop_path, masked_branch
 
+from devices import DEVICES
+
 B, D, N = 6, 4, 3
 IDS = [0, 1, -1, 2, 0, 1]
 
@@ -557,18 +559,6 @@ def cuda_generator() -> torch.Generator:
 
 # ----------------------------------------------------------------------------------------------
 # The tests.
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.cuda,
-            pytest.mark.skipif(not (torch.cuda.is_available() and mb.WITH_CUDA), reason="needs a GPU and a CUDA build"),
-        ],
-    ),
-]
-
 
 def test_matrix_is_large_and_distinct():
     ids = [c.id for c in CASES]

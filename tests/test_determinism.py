@@ -19,18 +19,9 @@ from torch import Tensor, nn
 
 import maskedbranch as mb
 
-B, D, N = 1536, 64, 6  # 512 rows per CPU task: 3 tasks
+from devices import DEVICES
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.cuda,
-            pytest.mark.skipif(not (torch.cuda.is_available() and mb.WITH_CUDA), reason="needs a GPU and a CUDA build"),
-        ],
-    ),
-]
+B, D, N = 1536, 64, 6  # 512 rows per CPU task: 3 tasks
 
 
 class Affine(nn.Module):
