@@ -42,6 +42,15 @@ from torch import nn
 
 import maskedbranch as mb
 
+if __package__:
+    from . import peak_memory
+else:  # run as a file: benchmarks/ is on sys.path, the folder that holds the package is not
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    from benchmarks import peak_memory
+
 TARGETS_VS_TIMM = {0.5: 0.55, 0.25: 0.80, 0.1: 0.93, 0.0: 1.01}
 TARGET_VS_HAND = 0.97
 TARGET_MEMORY = 0.6  # peak memory at drop_prob 0.5, vs timm
@@ -161,30 +170,14 @@ def peak_bytes(fn, name, x, branch, p, seed, device, grad_out) -> int:
     x.grad = None
     branch.zero_grad(set_to_none=True)
     g = torch.Generator().manual_seed(seed)
-    if device.type == "cuda":
-        sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
+
+    def run():
         with no_sync_allowed(device, name):
             out = fn(x, p, g)
             out.backward(grad_out)
-        sync(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
-        del out
-        return peak
-    from torch.profiler import ProfilerActivity, profile
+        return out
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn(x, p, g)
-        out.backward(grad_out)
-    del out
-    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    records.sort(key=lambda e: e.start_ns())
-    level = peak = 0
-    for e in records:
-        level += e.nbytes()
-        peak = max(peak, level)
-    return peak
+    return peak_memory(run, device)
 
 
 def paired(times, name, ref):
