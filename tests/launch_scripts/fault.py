@@ -2,6 +2,7 @@
 in the third training step, while the other ranks wait in DDP's all-reduce. torchrun must end
 the job (non-zero exit status) and report the failure; nothing may hang.
 """
+import time
 from datetime import timedelta
 
 import torch
@@ -36,11 +37,19 @@ def main():
     torch.manual_seed(0)
     branches = [Fragile(rank), nn.Linear(4, 4)]
     model = DDP(MaskedBranch(branches), find_unused_parameters=False)
-    for step in range(6):
-        branches[0].step = step
-        out = model(torch.ones(4, 4), torch.tensor([0, 1, 0, 1]))
-        out.sum().backward()
-        print(f"rank {rank}: step {step} done", flush=True)
+    try:
+        for step in range(6):
+            branches[0].step = step
+            out = model(torch.ones(4, 4), torch.tensor([0, 1, 0, 1]))
+            out.sum().backward()
+            print(f"rank {rank}: step {step} done", flush=True)
+    except Exception:
+        if rank != FAIL_RANK:
+            # The other ranks fail as a consequence ("connection closed by peer") within
+            # milliseconds. torchrun orders failures by their error files' timestamps, which are
+            # whole seconds, so a tie would name rank 0: report the consequence later.
+            time.sleep(1.5)
+        raise
     dist.destroy_process_group()
 
 
