@@ -28,6 +28,16 @@ _module.register_module_module_registration_hook(invalidate)
 _module.register_module_parameter_registration_hook(invalidate)
 
 
+class InvalidatesOnApply:
+    """Mixin for modules that cache facts about their parameters: ``_apply`` (``.to()``,
+    ``.half()``) may replace parameter objects without registering them."""
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+        invalidate()
+        return out
+
+
 class StructureCache(Generic[T]):
     """One value computed from a module tree, recomputed after the structure may have changed."""
 
@@ -42,6 +52,10 @@ class StructureCache(Generic[T]):
             self._value = compute()  # may raise: then nothing is cached
             self._version = _version[0]
         return self._value
+
+    def peek(self) -> "T | None":
+        """The cached value while it is current, else None (no closure to build per call)."""
+        return self._value if self._version == _version[0] else None
 
     def clear(self) -> None:
         self._version = -1

@@ -331,9 +331,10 @@ class _BranchTable:
     branch (it already gives them their gradient). Built once per module structure, so a call
     does not walk ``parameters()`` or rebuild these lists."""
 
-    __slots__ = ("branches", "params", "_dead")
+    __slots__ = ("container", "branches", "params", "_dead")
 
     def __init__(self, branches: Sequence[Callable]):
+        self.container = branches  # MaskedBranch's ModuleList: its length is checked per call
         self.branches = list(branches)
         self.params = [_params_of(b) for b in self.branches]
         self._dead: Dict[int, Tuple[Tensor, ...]] = {}
@@ -358,19 +359,50 @@ class _BranchTable:
 
 
 def _anchor_dead(
-    out: Tensor, table: _BranchTable, live_mask: int, materialize: bool, extra: Sequence[Tensor] = ()
+    out: Tensor, table: _BranchTable, live_mask: int, materialize: bool, extra: Tuple[Tensor, ...] = ()
 ) -> Tensor:
     """Anchor the parameters of the branches that did not run (and ``extra``) to ``out``."""
     if not torch.is_grad_enabled():
         return out  # no graph: nothing to anchor
-    # requires_grad is read on every call: freezing a branch changes no structure
-    params = [t for t in extra if t.requires_grad]
-    params += [p for p in table.dead_params(live_mask) if p.requires_grad]
-    if not params:
+    dead = table.dead_params(live_mask)
+    if extra:
+        dead = extra + dead
+    if not dead:
         return out
-    if type(out) is Tensor and not torch.compiler.is_compiling() and _C.anchor_into_history(out, params, materialize):
+    # The C++ path reads requires_grad itself (freezing a branch changes no structure): a
+    # parameter that does not require grad gets no edge.
+    if type(out) is Tensor and not torch.compiler.is_compiling() and _C.anchor_into_history(out, dead, materialize):
         return out  # the anchor went into out's own history: no view, no op dispatch
-    return _ops.ops.anchor(out, params, materialize)
+    params = [t for t in dead if t.requires_grad]
+    return _ops.ops.anchor(out, params, materialize) if params else out
+
+
+def _known_output(spec: _Signatures, x: Tensor, y: Any) -> bool:
+    """The common case of a one-branch call without extra arguments, in few comparisons: ``y``
+    is a tensor with x's rows and the output signature already learned for inputs like x."""
+    if spec.first_call or type(y) is not Tensor or y.dim() == 0 or y.shape[0] != x.shape[0]:
+        return False
+    ac = None if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST() else _autocast_dtype(x)
+    known = spec.table.get((x.shape[1:], x.dtype, x.device, ac))
+    return known is not None and y.dtype == known[1] and y.shape[1:] == known[0]
+
+
+def _one_branch(
+    table: _BranchTable,
+    spec: Optional[_Signatures],
+    x: Tensor,
+    k: int,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    materialize: bool,
+) -> Tensor:
+    """The whole batch through branch k, on x itself (no gather, no copy), and the anchor."""
+    out = table.branches[k](x, *args, **kwargs)
+    if spec is None or args or kwargs or not _known_output(spec, x, out):
+        _check_output(out, k, x.shape[0])
+        key = _input_key(x, args, kwargs) if spec is not None else None
+        _learn(spec, key, {k: out}, table.branches, x, args, kwargs)
+    return _anchor_dead(out, table, 1 << k, materialize)
 
 
 class _Split:
@@ -428,13 +460,10 @@ def _forward(
         kind, gate = _normalize_gate(gate, x, n)
     if args or kwargs:
         check_per_row_devices(args, kwargs, x)
-    key = _input_key(x, args, kwargs) if spec is not None else None
-
     if kind == "int" and gate >= 0:
         # The whole batch goes to one branch: nothing but the branch (and the anchor).
-        out = _check_output(branches[gate](x, *args, **kwargs), gate, x.shape[0])
-        _learn(spec, key, {gate: out}, branches, x, args, kwargs)
-        return _anchor_dead(out, table, 1 << gate, materialize), 1 << gate
+        return _one_branch(table, spec, x, gate, args, kwargs, materialize), 1 << gate
+    key = _input_key(x, args, kwargs) if spec is not None else None
     if kind == "int":
         # -1: no row reaches any branch. Zeros shaped like the branches' output, no plan; x is
         # anchored like the parameters, so whatever produced it still gets its hooks called.
@@ -451,9 +480,7 @@ def _forward(
         for i, c in enumerate(counts):
             if c == batch:
                 # Every row goes to branch i alone, in order: run it on x itself.
-                out = _check_output(branches[i](x, *args, **kwargs), i, batch)
-                _learn(spec, key, {i: out}, branches, x, args, kwargs)
-                return _anchor_dead(out, table, 1 << i, materialize), 1 << i
+                return _one_branch(table, spec, x, i, args, kwargs, materialize), 1 << i
 
     xs = _route_rows(x, plan)
     routed_args, routed_kwargs = route_args(args, kwargs, batch, lambda t: _Split(_route_rows(t, plan, "a per-row argument")))
@@ -513,7 +540,7 @@ def _as_branch_list(branches: Any, callables: bool) -> List[Any]:
     return out
 
 
-class MaskedBranch(nn.Module):
+class MaskedBranch(_structure.InvalidatesOnApply, nn.Module):
     r"""Run each row through the branches its gate selects, and only those:
     ``y[b] = sum_i g[b, i] * branch_i(x[b], ...)``.
 
@@ -580,17 +607,17 @@ class MaskedBranch(nn.Module):
         """The branches and their parameters, after checking (again, whenever the module
         structure may have changed, e.g. by convert_sync_batchnorm) that no branch runs
         collectives. ``del`` / ``insert`` on the ModuleList register nothing, hence the length
-        check."""
+        check (on its ``_modules``: ``len(self.branches)`` costs two Python calls)."""
+        table = self._tables.peek()
+        if table is not None and len(table.branches) == len(table.container._modules):
+            return table
 
         def compute():
             _check_no_collectives(self.branches, check_params=True)
             return _BranchTable(self.branches)
 
-        table = self._tables.get(compute)
-        if len(table.branches) != len(self.branches):
-            self._tables.clear()
-            table = self._tables.get(compute)
-        return table
+        self._tables.clear()
+        return self._tables.get(compute)
 
     def _units(self) -> List[Tuple[nn.Module, Tuple[Tensor, ...]]]:
         """Each branch and its parameters: the units whose use ``_usage`` records (bit i: branch
@@ -598,14 +625,13 @@ class MaskedBranch(nn.Module):
         table = self._table()
         return list(zip(table.branches, table.params))
 
-    def _apply(self, fn, *args, **kwargs):
-        # .to() / .half() may replace parameter objects: refresh the cached lists.
-        out = super()._apply(fn, *args, **kwargs)
-        _structure.invalidate()
-        return out
-
     def forward(self, x: Tensor, gate: Any, *args: Any, **kwargs: Any) -> Tensor:
-        out, live_mask = _forward(self._table(), x, gate, args, kwargs, self.materialize_grads, self._signatures)
+        table = self._table()
+        if type(gate) is int and 0 <= gate < len(table.branches) and not args and not kwargs and type(x) is Tensor and x.dim():
+            # The per-batch int gate, the routed layer's common case: straight to the branch.
+            out, live_mask = _one_branch(table, self._signatures, x, gate, (), {}, self.materialize_grads), 1 << gate
+        else:
+            out, live_mask = _forward(table, x, gate, args, kwargs, self.materialize_grads, self._signatures)
         if torch.is_grad_enabled():
             self._usage.bits |= live_mask
         return out

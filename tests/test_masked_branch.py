@@ -259,6 +259,43 @@ def test_frozen_parameters_are_not_anchored():
     assert not out.requires_grad and not out._is_view()
 
 
+@pytest.mark.parametrize("materialize", [False, True])
+def test_partly_frozen_dead_branch(materialize):
+    """A frozen parameter of a branch that did not run gets no gradient; the others of that
+    branch still get theirs (their hooks fire; zeros with materialize)."""
+    m = MaskedBranch(make_branches(), materialize_grads=materialize)
+    frozen = m.branches[2][0].weight
+    frozen.requires_grad_(False)
+    fired = []
+    for p in m.branches[2].parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    x = torch.randn(B, D_IN, dtype=torch.float64, requires_grad=True)
+    m(x, 1).sum().backward()
+    assert frozen.grad is None
+    assert len(fired) == 3
+    for p in fired:
+        assert (p.grad is not None and torch.count_nonzero(p.grad) == 0) if materialize else p.grad is None
+
+
+def test_parameters_replaced_by_a_conversion():
+    """.double() may put new parameter objects in place (overwrite_module_params_on_conversion):
+    the branches that did not run must anchor the new ones."""
+    m = MaskedBranch(make_branches(dtype=torch.float32), materialize_grads=True)
+    x = torch.randn(B, D_IN)
+    m(x, 1)
+    old = list(m.parameters())
+    before = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        m.double()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(before)
+    assert not any(p is q for p, q in zip(m.parameters(), old))
+    m(x.double(), 1).sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
 def test_shared_parameters():
     shared = nn.Linear(D_IN, D_OUT).double()
     m = MaskedBranch([shared, nn.Sequential(shared, nn.Tanh()), nn.Linear(D_IN, D_OUT).double()])
