@@ -372,7 +372,7 @@ def _runs_collectives(module: nn.Module) -> Optional[str]:
     return None
 
 
-class ResidualDropPath(nn.Module):
+class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
     """``x + drop_path(branch(x, *args, **kwargs))`` with the branch run only on the kept rows
     (``mode="row"``) or skipped when the batch is dropped (``mode="batch"``). See
     :func:`drop_add_residual`.
@@ -410,13 +410,22 @@ class ResidualDropPath(nn.Module):
         self.generator = _check_generator(generator)
         self.materialize_grads = bool(materialize_grads)
         self._usage = _structure.Usage()
+        self._facts: _structure.StructureCache[Tuple[Optional[str], Tuple[Tensor, ...]]] = _structure.StructureCache()
+
+    def _branch_facts(self) -> Tuple[Optional[str], Tuple[Tensor, ...]]:
+        """(the collective the branch runs or None, its parameters), walked again only after the
+        module structure may have changed (convert_sync_batchnorm typically runs after
+        construction)."""
+        facts = self._facts.peek()
+        if facts is None:
+            facts = self._facts.get(lambda: (_runs_collectives(self.branch), tuple(self.branch.parameters())))
+        return facts
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         p = _check_drop_prob(self.drop_prob)
         _check_mode(self.mode)
-        # checked on every call: convert_sync_batchnorm typically runs after construction
-        collective = _runs_collectives(self.branch) if self.training and p > 0.0 else None
-        if collective is not None:
+        collective, params = self._branch_facts()
+        if collective is not None and self.training and p > 0.0:
             raise RuntimeError(
                 f"ResidualDropPath: the branch contains {collective}, which runs collectives; "
                 "skipping it on some ranks only would hang the others. Use BatchNorm (or another "
@@ -424,7 +433,7 @@ class ResidualDropPath(nn.Module):
             )
         _check_x(x)
         out, ran = _residual(
-            x, self.branch, args, kwargs, p, self.training, self.mode, self.scale_by_keep, self.generator, None,
+            x, self.branch, args, kwargs, p, self.training, self.mode, self.scale_by_keep, self.generator, params,
             self.materialize_grads,
         )
         if ran and torch.is_grad_enabled():
@@ -434,7 +443,7 @@ class ResidualDropPath(nn.Module):
     def _units(self) -> List[Tuple[nn.Module, Tuple[Tensor, ...]]]:
         """The branch and its parameters: the one unit whose use ``_usage`` records, for
         :func:`maskedbranch.unused_grads_to_none`."""
-        return [(self.branch, tuple(self.branch.parameters()))]
+        return [(self.branch, self._branch_facts()[1])]
 
     def extra_repr(self) -> str:
         s = f"drop_prob={round(self.drop_prob, 3):0.3f}, mode={self.mode}"

@@ -457,6 +457,21 @@ def test_everything_dropped_materialized_grads(mode):
     assert all(p.grad is not None for p in block.parameters())
 
 
+def test_skipped_branch_after_a_conversion_replaced_its_parameters():
+    """.double() may put new parameter objects in place (overwrite_module_params_on_conversion):
+    a dropped branch must anchor the new ones."""
+    block = mb.ResidualDropPath(CountingBranch(), 1.0, "batch", materialize_grads=True)
+    block(torch.randn(6, 4, requires_grad=True))
+    before = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        block.double()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(before)
+    block(torch.randn(6, 4, dtype=torch.float64, requires_grad=True)).sum().backward()
+    assert all(p.grad is not None and p.dtype == torch.float64 for p in block.parameters())
+
+
 def test_partial_rows_run_branch_on_kept_rows_only():
     branch = CountingBranch()
     x = torch.randn(32, 4)
