@@ -44,9 +44,42 @@ PyObject* py_anchor_into_history(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// _C.grads_to_none(params) -> int: `p.grad = None` for each, returning how many were set.
+// unused_grads_to_none clears hundreds of gradients before every step; in Python each costs
+// two attribute calls.
+PyObject* py_grads_to_none(PyObject* /*self*/, PyObject* params_obj) {
+  HANDLE_TH_ERRORS
+  PyObject* seq = PySequence_Fast(params_obj, "params: expected a sequence of tensors");
+  if (seq == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_Check(PySequence_Fast_GET_ITEM(seq, i))) {
+      Py_DECREF(seq);
+      TORCH_CHECK_TYPE(false, "params[", i, "]: expected a tensor");
+    }
+  }
+  long cleared = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
+    at::Tensor& grad = THPVariable_Unpack(item).mutable_grad();
+    if (!grad.defined()) continue;
+    ++cleared;
+    if (THPVariable_CheckExact(item)) {
+      grad.reset();  // what assigning None to .grad does
+    } else if (PyObject_SetAttrString(item, "grad", Py_None) != 0) {
+      Py_DECREF(seq);  // a subclass may intercept the assignment: let it
+      return nullptr;
+    }
+  }
+  Py_DECREF(seq);
+  return PyLong_FromLong(cleared);
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
     {"anchor_into_history", py_anchor_into_history, METH_VARARGS,
      "anchor_into_history(out, params, materialize) -> bool"},
+    {"grads_to_none", py_grads_to_none, METH_O, "grads_to_none(params) -> int"},
     {nullptr, nullptr, 0, nullptr},
 };
 }  // namespace

@@ -20,9 +20,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from . import _structure
+from . import _C, _structure
 
 __all__ = ["UnusedGradsToNone", "unused_grads_to_none"]
+
+_USED = ord("1")
 
 
 def _routing_modules(model: nn.Module) -> List[nn.Module]:
@@ -31,25 +33,30 @@ def _routing_modules(model: nn.Module) -> List[nn.Module]:
 
 
 class _Layout:
-    """Which parameters can be pruned, grouped by the units (branches) they belong to."""
+    """Which parameters can be pruned, grouped by the units (branches) they belong to.
+
+    The used bits travel as one ASCII byte per unit ('1' used, '0' not), reduced with MAX (an OR
+    that gloo and NCCL both have). Module m's units are ``format(bits, "0{n}b")``: its last
+    branch comes first, so unit numbers follow that order."""
 
     def __init__(self, model: nn.Module):
         self.modules = _routing_modules(model)
-        self.unit_counts: List[int] = []
+        self.formats: List[Tuple[Any, str]] = []  # (the module's Usage, its bits' format)
         units_of: Dict[int, List[int]] = {}
         params: Dict[int, Tensor] = {}
         branch_modules = set()
-        unit = 0
+        start = 0
         for m in self.modules:
-            start = unit
-            for branch, ps in m._units():
+            pairs = m._units()
+            n = len(pairs)
+            self.formats.append((m._usage, f"0{n}b"))
+            for i, (branch, ps) in enumerate(pairs):
                 branch_modules.add(id(branch))
                 for p in ps:
                     params[id(p)] = p
-                    units_of.setdefault(id(p), []).append(unit)
-                unit += 1
-            self.unit_counts.append(unit - start)
-        self.num_units = unit
+                    units_of.setdefault(id(p), []).append(start + n - 1 - i)
+            start += n
+        self.num_units = start
         # Parameters owned by a module reached without entering a branch (the trunk, or the
         # routing module itself) may be used whatever the routing: never pruned.
         outside = set()
@@ -62,12 +69,37 @@ class _Layout:
             seen.add(id(m))
             outside.update(id(p) for p in m.parameters(recurse=False))
             stack.extend(m.children())
-        # One check per distinct set of units.
+        # Prunable parameters per unit when a parameter belongs to that unit alone (the common
+        # case: one check per unit), per set of units otherwise.
         by_units: Dict[Tuple[int, ...], List[Tensor]] = {}
         for pid, us in units_of.items():
             if pid not in outside:
                 by_units.setdefault(tuple(sorted(set(us))), []).append(params[pid])
-        self.groups = list(by_units.items())
+        self.single: List[Optional[List[Tensor]]] = [None] * start
+        self.shared: List[Tuple[Tuple[int, ...], List[Tensor]]] = []
+        for units, ps in by_units.items():
+            if len(units) == 1:
+                self.single[units[0]] = ps
+            else:
+                self.shared.append((units, ps))
+
+    def take_bits(self) -> Tensor:
+        """The bits recorded since the last call, as the bytes reduced across ranks; resets them."""
+        parts = []
+        for usage, fmt in self.formats:
+            parts.append(format(usage.bits, fmt))
+            usage.bits = 0
+        return torch.frombuffer(bytearray("".join(parts), "ascii"), dtype=torch.uint8)
+
+    def unused_params(self, used: List[bool]) -> List[Tensor]:
+        out: List[Tensor] = []
+        for u, ps in enumerate(self.single):
+            if ps is not None and not used[u]:
+                out.extend(ps)
+        for units, ps in self.shared:
+            if not any(used[u] for u in units):
+                out.extend(ps)
+        return out
 
 
 class UnusedGradsToNone:
@@ -117,12 +149,7 @@ class UnusedGradsToNone:
     def _launch(self, async_op: bool) -> None:
         """Take (and reset) the bits recorded so far and start reducing them across ranks."""
         layout = self._current_layout()
-        local: List[int] = []
-        for m, n in zip(layout.modules, layout.unit_counts):
-            bits = m._usage.bits
-            m._usage.bits = 0
-            local.extend((bits >> i) & 1 for i in range(n))
-        flags = torch.tensor(local, dtype=torch.int32)
+        flags = layout.take_bits()
         work = None
         if self.process_group is not None:
             import torch.distributed as dist
@@ -132,7 +159,7 @@ class UnusedGradsToNone:
                 # pinned and non-blocking: no host wait at the end of the forward (the copy
                 # queues behind the forward's kernels); `flags` is read back at the step
                 flags = flags.pin_memory().to(device, non_blocking=True)
-            work = dist.all_reduce(flags, group=self.process_group, async_op=async_op)
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group, async_op=async_op)
         self._pending.append((layout, work, flags))
 
     def _after_ddp_forward(self, ddp, args, output) -> None:
@@ -154,21 +181,14 @@ class UnusedGradsToNone:
             if launched is not layout:
                 used = None
             elif used is not None:
-                used = [u or f > 0 for u, f in zip(used, flags.tolist())]
+                used = [u or f == _USED for u, f in zip(used, flags.tolist())]
         self._pending.clear()
         return used
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         used = self.used_units()
-        pruned = 0
-        if used is not None:
-            for units, params in self._current_layout().groups:
-                if not any(used[u] for u in units):
-                    for p in params:
-                        if p.grad is not None:
-                            p.grad = None
-                            pruned += 1
-        self.last_pruned = pruned
+        # one C++ call clears the gradients (and counts those that were set)
+        self.last_pruned = _C.grads_to_none(self._current_layout().unused_params(used)) if used is not None else 0
 
     def remove(self) -> None:
         for h in self._handles:

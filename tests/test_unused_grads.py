@@ -240,6 +240,29 @@ def test_remove_and_bad_inputs():
         unused_grads_to_none(opt, nn.Linear(2, 2))
 
 
+class LoggedGrad(nn.Parameter):
+    """A parameter subclass that sees assignments to .grad (as a subclass might track them)."""
+
+    def __setattr__(self, name, value):
+        if name == "grad":
+            self.assigned = value
+        super().__setattr__(name, value)
+
+
+def test_grads_to_none_clears_and_counts():
+    from maskedbranch import _C
+
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+    c = LoggedGrad(torch.ones(2))
+    a.grad, c.grad = torch.ones(2), torch.ones(2)
+    assert _C.grads_to_none([a, b, c]) == 2
+    assert a.grad is None and b.grad is None and c.grad is None
+    assert c.assigned is None  # the subclass's own assignment ran
+    assert _C.grads_to_none(()) == 0
+    with pytest.raises(TypeError, match=r"params\[1\]"):
+        _C.grads_to_none([a, 3])
+
+
 # ----------------------------------------------------------------------------------------------
 # Four ranks: masked + hook (find_unused_parameters=False) against if/else with
 # find_unused_parameters=True, and masked without the hook (which must differ).
