@@ -592,6 +592,41 @@ def test_branch_changing_between_calls():
         m(x, 0)
 
 
+@pytest.mark.parametrize(
+    "change, exc, match",
+    [
+        (lambda x: x[:1], ValueError, "one row per input row"),
+        (lambda x: x.float(), ValueError, "earlier call"),
+        (lambda x: x[:, :2], ValueError, "earlier call"),
+        (lambda x: x.unsqueeze(1), ValueError, "earlier call"),
+        (lambda x: (x,), TypeError, "return a tensor"),
+    ],
+)
+def test_output_checked_on_every_int_gate_call(change, exc, match):
+    """Once a call like this one was confirmed, later calls compare in C++; a branch that then
+    changes its output is still caught, and inputs of a new shape are learned afresh."""
+
+    class Changing(nn.Module):
+        changed = False
+
+        def forward(self, x):
+            return change(x) if self.changed else x
+
+    branch = Changing()
+    m = MaskedBranch([branch, nn.Identity()])
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for _ in range(3):
+        m(x, 0)
+    m(torch.randn(5, 2, 7, dtype=torch.float64), 0)  # a new input signature
+    m(x, 0)
+    branch.changed = True
+    with pytest.raises(exc, match=match):
+        m(x, 0)
+    branch.changed = False
+    torch.testing.assert_close(m(x, 0), x)  # the module still works
+    copy.deepcopy(m)(x, 0)  # the C++ signature is not copied, and is learned again
+
+
 @pytest.mark.parametrize("kind", ["ids", "mask", "weights"])
 def test_branches_modifying_their_input_in_place(kind):
     """Each branch gets its rows as a tensor of its own: in-place ops on it (a leading
