@@ -9,6 +9,9 @@ import torch
 from torch import nn
 
 import maskedbranch as mb
+
+from param_conversion import conversions_replace_parameters
+
 dp_mod = importlib.import_module("maskedbranch.drop_path")  # the module; mb.drop_path is the function
 
 # ----------------------------------------------------------------------------------------------
@@ -462,12 +465,8 @@ def test_skipped_branch_after_a_conversion_replaced_its_parameters():
     a dropped branch must anchor the new ones."""
     block = mb.ResidualDropPath(CountingBranch(), 1.0, "batch", materialize_grads=True)
     block(torch.randn(6, 4, requires_grad=True))
-    before = torch.__future__.get_overwrite_module_params_on_conversion()
-    torch.__future__.set_overwrite_module_params_on_conversion(True)
-    try:
+    with conversions_replace_parameters():
         block.double()
-    finally:
-        torch.__future__.set_overwrite_module_params_on_conversion(before)
     block(torch.randn(6, 4, dtype=torch.float64, requires_grad=True)).sum().backward()
     assert all(p.grad is not None and p.dtype == torch.float64 for p in block.parameters())
 

@@ -9,6 +9,8 @@ from torch import nn
 import maskedbranch as mb
 from maskedbranch import MaskedBranch, masked_branch, reference
 
+from param_conversion import conversions_replace_parameters
+
 N, B, D_IN, D_OUT = 3, 10, 5, 4
 
 
@@ -285,12 +287,8 @@ def test_parameters_replaced_by_a_conversion():
     x = torch.randn(B, D_IN)
     m(x, 1)
     old = list(m.parameters())
-    before = torch.__future__.get_overwrite_module_params_on_conversion()
-    torch.__future__.set_overwrite_module_params_on_conversion(True)
-    try:
+    with conversions_replace_parameters():
         m.double()
-    finally:
-        torch.__future__.set_overwrite_module_params_on_conversion(before)
     assert not any(p is q for p, q in zip(m.parameters(), old))
     m(x.double(), 1).sum().backward()
     assert all(p.grad is not None for p in m.parameters())
