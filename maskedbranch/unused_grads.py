@@ -69,17 +69,18 @@ class _Layout:
             seen.add(id(m))
             outside.update(id(p) for p in m.parameters(recurse=False))
             stack.extend(m.children())
-        # Prunable parameters per unit when a parameter belongs to that unit alone (the common
-        # case: one check per unit), per set of units otherwise.
+        # The prunable parameters, grouped by the set of units they belong to.
         by_units: Dict[Tuple[int, ...], List[Tensor]] = {}
         for pid, us in units_of.items():
             if pid not in outside:
                 by_units.setdefault(tuple(sorted(set(us))), []).append(params[pid])
-        self.single: List[Optional[List[Tensor]]] = [None] * start
+        # Prunable parameters per unit when a parameter belongs to that unit alone (the common
+        # case), per set of units otherwise.
+        self.single: List[Tuple[int, List[Tensor]]] = []
         self.shared: List[Tuple[Tuple[int, ...], List[Tensor]]] = []
         for units, ps in by_units.items():
             if len(units) == 1:
-                self.single[units[0]] = ps
+                self.single.append((units[0], ps))
             else:
                 self.shared.append((units, ps))
 
@@ -91,14 +92,15 @@ class _Layout:
             usage.bits = 0
         return torch.frombuffer(bytearray("".join(parts), "ascii"), dtype=torch.uint8)
 
-    def unused_params(self, used: List[bool]) -> List[Tensor]:
+    def unused_params(self, used: bytes) -> List[Tensor]:
+        """The prunable parameters of the units whose byte in ``used`` is not '1'."""
         out: List[Tensor] = []
-        for u, ps in enumerate(self.single):
-            if ps is not None and not used[u]:
-                out.extend(ps)
+        for u, ps in self.single:
+            if used[u] != _USED:
+                out += ps
         for units, ps in self.shared:
-            if not any(used[u] for u in units):
-                out.extend(ps)
+            if all(used[u] != _USED for u in units):
+                out += ps
         return out
 
 
@@ -167,26 +169,34 @@ class UnusedGradsToNone:
         if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
             self._launch(async_op=True)
 
-    def used_units(self) -> Optional[List[bool]]:
-        """Whether each unit of the current layout ran on any rank since the last step (waits for
-        the reductions launched after forwards, or runs one now). None when the module
-        structure changed in between (nothing is pruned then)."""
+    def _used_bytes(self) -> Optional[bytes]:
+        """One byte per unit of the current layout, '1' where the unit ran on some rank since the
+        last step (waits for the reductions launched after forwards, or runs one now). None when
+        the module structure changed in between (nothing is pruned then)."""
         if not self._pending:
             self._launch(async_op=False)
         layout = self._current_layout()
-        used: Optional[List[bool]] = [False] * layout.num_units
+        used: Optional[bytes] = None
         for launched, work, flags in self._pending:
             if work is not None:
                 work.wait()
             if launched is not layout:
-                used = None
-            elif used is not None:
-                used = [u or f == _USED for u, f in zip(used, flags.tolist())]
+                used = b""  # stale: nothing is pruned
+            elif used != b"":
+                got = bytes(flags.tolist())
+                used = got if used is None else bytes(map(max, used, got))
         self._pending.clear()
-        return used
+        return used or None
+
+    def used_units(self) -> Optional[List[bool]]:
+        """Whether each unit of the current layout ran on any rank since the last step (waits for
+        the reductions launched after forwards, or runs one now). None when the module
+        structure changed in between (nothing is pruned then)."""
+        used = self._used_bytes()
+        return None if used is None else [b == _USED for b in used]
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        used = self.used_units()
+        used = self._used_bytes()
         # one C++ call clears the gradients (and counts those that were set)
         self.last_pruned = _C.grads_to_none(self._current_layout().unused_params(used)) if used is not None else 0
 
