@@ -25,6 +25,7 @@ from . import _C, _structure
 __all__ = ["UnusedGradsToNone", "unused_grads_to_none"]
 
 _USED = ord("1")
+_MAX_PENDING = 16  # reductions launched after forwards and not yet waited for by a step
 
 
 def _routing_modules(model: nn.Module) -> List[nn.Module]:
@@ -129,7 +130,7 @@ class UnusedGradsToNone:
         self.process_group = process_group
         self._bits_device = None if process_group is None else self._device_for(process_group)
         self._layout: _structure.StructureCache[_Layout] = _structure.StructureCache()
-        self._pending: List[Tuple[_Layout, Any, Tensor]] = []  # (layout, work, flags) per launch
+        self._pending: List[Tuple[Optional[_Layout], Any, Optional[Tensor]]] = []  # (layout, work, flags) per launch
         self._handles = [optimizer.register_step_pre_hook(self._before_step)]
         if ddp and process_group is not None:
             self._handles.append(model.register_forward_hook(self._after_ddp_forward))
@@ -163,6 +164,29 @@ class UnusedGradsToNone:
                 flags = flags.pin_memory().to(device, non_blocking=True)
             work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group, async_op=async_op)
         self._pending.append((layout, work, flags))
+        if len(self._pending) > _MAX_PENDING:
+            # Many forwards without a step (evaluation with autograd on, say): keep one entry.
+            used = self._wait_pending(layout)
+            if used is None:  # stale: keep it so, nothing is pruned at the next step
+                self._pending.append((None, None, None))
+            else:
+                self._pending.append((layout, None, torch.frombuffer(bytearray(used), dtype=torch.uint8)))
+
+    def _wait_pending(self, layout: _Layout) -> Optional[bytes]:
+        """Wait for the pending reductions and OR them (None when one came from another layout);
+        clears them."""
+        used: Optional[bytes] = None
+        stale = False
+        for launched, work, flags in self._pending:
+            if work is not None:
+                work.wait()
+            if launched is not layout:
+                stale = True
+            elif not stale:
+                got = bytes(flags.tolist())
+                used = got if used is None else bytes(map(max, used, got))
+        self._pending.clear()
+        return None if stale else used
 
     def _after_ddp_forward(self, ddp, args, output) -> None:
         # Only forwards whose backward synchronizes: every rank runs them, in the same order.
@@ -175,18 +199,7 @@ class UnusedGradsToNone:
         the module structure changed in between (nothing is pruned then)."""
         if not self._pending:
             self._launch(async_op=False)
-        layout = self._current_layout()
-        used: Optional[bytes] = None
-        for launched, work, flags in self._pending:
-            if work is not None:
-                work.wait()
-            if launched is not layout:
-                used = b""  # stale: nothing is pruned
-            elif used != b"":
-                got = bytes(flags.tolist())
-                used = got if used is None else bytes(map(max, used, got))
-        self._pending.clear()
-        return used or None
+        return self._wait_pending(self._current_layout())
 
     def used_units(self) -> Optional[List[bool]]:
         """Whether each unit of the current layout ran on any rank since the last step (waits for

@@ -338,6 +338,29 @@ def train_without_ddp(rank, group, kind, steps=6):
     return {"mismatches": mismatches, "params": [p.detach().clone() for p in model.parameters()]}
 
 
+def forwards_without_backward(rank, group, n=40):
+    """Forwards with autograd on but no backward (evaluation without torch.no_grad): the pending
+    reductions stay bounded, count as use, and the next step prunes alike on every rank."""
+    torch.manual_seed(9)
+    model = Net().double()
+    ddp = DDP(model, process_group=group)
+    opt = make_optimizer("sgd", model.parameters())
+    hook = unused_grads_to_none(opt, ddp)
+    longest = 0
+    for i in range(n):
+        x, _ = data(100 + i, rank)
+        ddp(x, [0, 0])  # only branch 0 of each layer runs
+        longest = max(longest, len(hook._pending))
+    x, t = data(1, rank)
+    (ddp(x, [0, 0]) - t).square().mean().backward()
+    opt.step()
+    return {
+        "longest": longest,
+        "pruned": hook.last_pruned,
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
 CASES = {
     "int-sgd": dict(kind="int", opt_name="sgd"),
     "ids-adamw": dict(kind="ids", opt_name="adamw"),
@@ -354,6 +377,7 @@ def _worker(rank, world, init_file, out_dir):
     results = {}
     jobs = [(name, lambda group, case=case: train(rank, group, **case)) for name, case in CASES.items()]
     jobs.append(("no-ddp", lambda group: train_without_ddp(rank, group, "ids")))
+    jobs.append(("no-backward", lambda group: forwards_without_backward(rank, group)))
     for name, job in jobs:
         group = dist.new_group(backend="gloo")
         try:
@@ -390,5 +414,14 @@ def test_without_ddp_prunes_what_no_rank_used(ranks):
     results = results_of(ranks, "no-ddp")
     for r, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {r}: (step, layer, branch, pruned) wrong: {res['mismatches']}"
+        for p, q in zip(res["params"], results[0]["params"]):
+            assert torch.equal(p, q), f"rank {r}: replicas diverged"
+
+
+def test_forwards_without_backward_keep_pending_bounded(ranks):
+    results = results_of(ranks, "no-backward")
+    for r, res in enumerate(results):
+        assert res["longest"] <= 17, f"rank {r}: {res['longest']} reductions pending"
+        assert res["pruned"] == 2 * 2 * 4, f"rank {r}: pruned {res['pruned']} (branches 1 and 2 of both layers)"
         for p, q in zip(res["params"], results[0]["params"]):
             assert torch.equal(p, q), f"rank {r}: replicas diverged"
