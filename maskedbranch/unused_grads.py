@@ -42,7 +42,7 @@ class _Layout:
 
     def __init__(self, model: nn.Module):
         self.modules = _routing_modules(model)
-        self.formats: List[Tuple[Any, str]] = []  # (the module's Usage, its bits' format)
+        self.formats: List[Tuple[Any, int, str]] = []  # (the module's Usage, its units' mask, their format)
         units_of: Dict[int, List[int]] = {}
         params: Dict[int, Tensor] = {}
         branch_modules = set()
@@ -50,7 +50,7 @@ class _Layout:
         for m in self.modules:
             pairs = m._units()
             n = len(pairs)
-            self.formats.append((m._usage, f"0{n}b"))
+            self.formats.append((m._usage, (1 << n) - 1, f"0{n}b"))
             for i, (branch, ps) in enumerate(pairs):
                 branch_modules.add(id(branch))
                 for p in ps:
@@ -88,8 +88,8 @@ class _Layout:
     def take_bits(self) -> Tensor:
         """The bits recorded since the last call, as the bytes reduced across ranks; resets them."""
         parts = []
-        for usage, fmt in self.formats:
-            parts.append(format(usage.bits, fmt))
+        for usage, mask, fmt in self.formats:
+            parts.append(format(usage.bits & mask, fmt))  # one character per unit, whatever the bits
             usage.bits = 0
         return torch.frombuffer(bytearray("".join(parts), "ascii"), dtype=torch.uint8)
 

@@ -156,6 +156,25 @@ def test_bits_accumulate_until_the_step():
     assert hook.last_pruned == 2 * 2 * 4
 
 
+def test_branch_inserted_without_registration():
+    """ModuleList.insert registers nothing, so the hook's layout stays the old one: the new
+    branch is never pruned, and its bit must not shift the other layers' bits."""
+    model = Net(materialize=True).double()
+    new = mlp().double()  # built first: building a module registers its children
+    opt = make_optimizer("sgd", model.parameters())
+    unused_grads_to_none(opt, model)
+    x, t = data(0, 0)
+    (model(x, [0, 0]) - t).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    model.layers[0].branches.insert(N, new)
+    (model(x, [N, 0]) - t).square().mean().backward()
+    opt.step()
+    assert all(p.grad is not None for p in new.parameters())
+    for i, branch in enumerate(model.layers[1].branches):
+        assert all((p.grad is not None) == (i == 0) for p in branch.parameters())
+
+
 def test_shared_parameters():
     trunk = nn.Linear(D, D)
     a, b, c = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
