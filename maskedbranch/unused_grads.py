@@ -41,13 +41,12 @@ class _Layout:
     branch comes first, so unit numbers follow that order."""
 
     def __init__(self, model: nn.Module):
-        self.modules = _routing_modules(model)
         self.formats: List[Tuple[Any, int, str]] = []  # (the module's Usage, its units' mask, their format)
         units_of: Dict[int, List[int]] = {}
         params: Dict[int, Tensor] = {}
         branch_modules = set()
         start = 0
-        for m in self.modules:
+        for m in _routing_modules(model):
             pairs = m._units()
             n = len(pairs)
             self.formats.append((m._usage, (1 << n) - 1, f"0{n}b"))
@@ -57,7 +56,6 @@ class _Layout:
                     params[id(p)] = p
                     units_of.setdefault(id(p), []).append(start + n - 1 - i)
             start += n
-        self.num_units = start
         # Parameters owned by a module reached without entering a branch (the trunk, or the
         # routing module itself) may be used whatever the routing: never pruned.
         outside = set()
@@ -200,13 +198,6 @@ class UnusedGradsToNone:
         if not self._pending:
             self._launch(async_op=False)
         return self._wait_pending(self._current_layout())
-
-    def used_units(self) -> Optional[List[bool]]:
-        """Whether each unit of the current layout ran on any rank since the last step (waits for
-        the reductions launched after forwards, or runs one now). None when the module
-        structure changed in between (nothing is pruned then)."""
-        used = self._used_bytes()
-        return None if used is None else [b == _USED for b in used]
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         used = self._used_bytes()
