@@ -12,12 +12,26 @@
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 namespace maskedbranch {
 bool anchor_into_history(const at::Tensor& out, at::TensorList params, bool materialize);
 }
 
 namespace {
+// `obj` as a sequence whose items are all tensors; a TypeError names the first item that is not.
+THPObjectPtr tensor_sequence(PyObject* obj, const char* name) {
+  const std::string not_a_sequence = std::string(name) + ": expected a sequence of tensors";
+  THPObjectPtr seq(PySequence_Fast(obj, not_a_sequence.c_str()));
+  if (!seq) throw python_error();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.get());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    TORCH_CHECK_TYPE(THPVariable_Check(PySequence_Fast_GET_ITEM(seq.get(), i)), name, "[", i,
+                     "]: expected a tensor");
+  }
+  return seq;
+}
+
 // _C.anchor_into_history(out, params, materialize) -> bool: MaskedBranch's per-call anchor in
 // eager mode, called directly (a routed layer runs it on every call; see csrc/anchor.cpp).
 PyObject* py_anchor_into_history(PyObject* /*self*/, PyObject* args) {
@@ -27,20 +41,11 @@ PyObject* py_anchor_into_history(PyObject* /*self*/, PyObject* args) {
   int materialize = 0;
   if (!PyArg_ParseTuple(args, "OOp", &out_obj, &params_obj, &materialize)) return nullptr;
   TORCH_CHECK_TYPE(THPVariable_Check(out_obj), "out: expected a tensor");
-  PyObject* seq = PySequence_Fast(params_obj, "params: expected a sequence of tensors");
-  if (seq == nullptr) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  const auto seq = tensor_sequence(params_obj, "params");
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.get());
   std::vector<at::Tensor> params;
   params.reserve(n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
-    if (!THPVariable_Check(item)) {
-      Py_DECREF(seq);
-      TORCH_CHECK_TYPE(false, "params[", i, "]: expected a tensor");
-    }
-    params.push_back(THPVariable_Unpack(item));
-  }
-  Py_DECREF(seq);
+  for (Py_ssize_t i = 0; i < n; ++i) params.push_back(THPVariable_Unpack(PySequence_Fast_GET_ITEM(seq.get(), i)));
   return PyBool_FromLong(maskedbranch::anchor_into_history(THPVariable_Unpack(out_obj), params, materialize != 0));
   END_HANDLE_TH_ERRORS
 }
@@ -50,29 +55,20 @@ PyObject* py_anchor_into_history(PyObject* /*self*/, PyObject* args) {
 // two attribute calls.
 PyObject* py_grads_to_none(PyObject* /*self*/, PyObject* params_obj) {
   HANDLE_TH_ERRORS
-  PyObject* seq = PySequence_Fast(params_obj, "params: expected a sequence of tensors");
-  if (seq == nullptr) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!THPVariable_Check(PySequence_Fast_GET_ITEM(seq, i))) {
-      Py_DECREF(seq);
-      TORCH_CHECK_TYPE(false, "params[", i, "]: expected a tensor");
-    }
-  }
+  const auto seq = tensor_sequence(params_obj, "params");
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.get());
   long cleared = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
+    PyObject* item = PySequence_Fast_GET_ITEM(seq.get(), i);
     at::Tensor& grad = THPVariable_Unpack(item).mutable_grad();
     if (!grad.defined()) continue;
     ++cleared;
     if (THPVariable_CheckExact(item)) {
       grad.reset();  // what assigning None to .grad does
     } else if (PyObject_SetAttrString(item, "grad", Py_None) != 0) {
-      Py_DECREF(seq);  // a subclass may intercept the assignment: let it
-      return nullptr;
+      return nullptr;  // a subclass may intercept the assignment: its error propagates
     }
   }
-  Py_DECREF(seq);
   return PyLong_FromLong(cleared);
   END_HANDLE_TH_ERRORS
 }
