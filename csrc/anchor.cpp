@@ -4,6 +4,9 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <limits>
+
+#include "anchor.h"
 #include "autograd_node.h"
 #include "op_calls.h"
 
@@ -66,6 +69,19 @@ struct AnchorBackward : public torch::autograd::Node {
   std::vector<at::Tensor> params;  // with materialize only: their layout (never their values)
 };
 
+// The node that hands one set of dead parameters their (undefined) gradients, shared by every
+// call that anchors that set (see DeadSet). Like an accumulator it runs as soon as it is ready
+// (the highest sequence number), so the parameters' hooks fire where the calls' backward runs.
+struct DeadParamsBackward : public torch::autograd::Node {
+  explicit DeadParamsBackward(at::TensorList params) : Node(std::numeric_limits<uint64_t>::max()) {
+    add_input_metadata(Node::undefined_input());  // the calls' anchors pass it no gradient
+    set_next_edges(torch::autograd::collect_next_edges(params));
+  }
+
+  variable_list apply(variable_list&& /*grads*/) override { return variable_list(num_outputs()); }
+  std::string name() const override { return "maskedbranch::DeadParamsBackward"; }
+};
+
 // The node whose backward passes the gradient of its one input on along `through` and hands
 // `params` theirs.
 NodePtr anchor_node(torch::autograd::Edge through, at::TensorList params, bool materialize) {
@@ -102,21 +118,81 @@ at::Tensor anchor_autograd(const at::Tensor& x, at::TensorList params, bool mate
 
 }  // namespace
 
+namespace {
+
+// `out` was produced by an op, under grad mode: not a leaf, and not a view (whose history
+// autograd may regenerate).
+bool has_own_history(const at::Tensor& out) {
+  return at::GradMode::is_enabled() && out.defined() && !out.is_view() && out.requires_grad() &&
+         out.grad_fn() != nullptr;
+}
+
+// `out`'s gradient edge now leads to `node`, whose first edge is the old one.
+void insert_into_history(const at::Tensor& out, const NodePtr& node) {
+  node->add_input_metadata(out);
+  torch::autograd::impl::set_gradient_edge(out, {node, 0});
+}
+
+}  // namespace
+
 // The eager fast path of anchoring: instead of returning a view of `out` whose node carries the
 // parameters, put the node into `out`'s own history (its gradient edge now leads through the
 // anchor to the old one). No view, no dispatch, and in-place ops on `out` keep working. Only for
-// a tensor produced by an op (not a leaf, not a view, whose history autograd may regenerate);
-// returns false when it does not apply, and the caller uses the op instead.
+// a tensor with its own history (has_own_history); returns false otherwise, and the caller uses
+// the op instead.
 bool anchor_into_history(const at::Tensor& out, at::TensorList params, bool materialize) {
-  if (!at::GradMode::is_enabled() || !out.defined() || out.is_view() || !out.requires_grad() ||
-      out.grad_fn() == nullptr) {
-    return false;
-  }
+  if (!has_own_history(out)) return false;
   check_params(params);
   if (!torch::autograd::compute_requires_grad(params)) return true;  // nothing to anchor
-  auto node = anchor_node(torch::autograd::impl::gradient_edge(out), params, materialize);
-  node->add_input_metadata(out);
-  torch::autograd::impl::set_gradient_edge(out, {node, 0});
+  insert_into_history(out, anchor_node(torch::autograd::impl::gradient_edge(out), params, materialize));
+  return true;
+}
+
+DeadSet::DeadSet(std::vector<at::Tensor> params) : params_(std::move(params)) {
+  check_params(params_);
+  build();
+}
+
+void DeadSet::build() {
+  linked_.clear();
+  frozen_.clear();
+  dtypes_.clear();
+  devices_.clear();
+  for (const auto& p : params_) {
+    if (p.requires_grad()) {
+      linked_.push_back(p);
+      dtypes_.push_back(p.dtype());
+      devices_.push_back(p.device());
+    } else {
+      frozen_.push_back(p);
+    }
+  }
+  node_ = linked_.empty() ? NodePtr() : make_node<DeadParamsBackward>(linked_);
+}
+
+bool DeadSet::stale() const {
+  for (const auto& p : frozen_) {
+    if (p.requires_grad()) return true;
+  }
+  for (size_t i = 0; i < linked_.size(); ++i) {
+    if (linked_[i].dtype() != dtypes_[i] || linked_[i].device() != devices_[i]) return true;
+  }
+  return false;
+}
+
+bool DeadSet::anchor_into(const at::Tensor& out) {
+  if (!has_own_history(out)) return false;
+  NodePtr shared;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stale()) build();
+    shared = node_;
+  }
+  if (!shared) return true;  // nothing to anchor
+  // The call's own node passes the gradient on and links the shared one.
+  auto node = make_node<AnchorBackward>(1, false);
+  node->set_next_edges({torch::autograd::impl::gradient_edge(out), torch::autograd::Edge(std::move(shared), 0)});
+  insert_into_history(out, node);
   return true;
 }
 

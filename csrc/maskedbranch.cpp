@@ -14,9 +14,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/object_ptr.h>
 
-namespace maskedbranch {
-bool anchor_into_history(const at::Tensor& out, at::TensorList params, bool materialize);
-}
+#include "anchor.h"
 
 namespace {
 // `obj` as a sequence whose items are all tensors; a TypeError names the first item that is not.
@@ -47,6 +45,40 @@ PyObject* py_anchor_into_history(PyObject* /*self*/, PyObject* args) {
   params.reserve(n);
   for (Py_ssize_t i = 0; i < n; ++i) params.push_back(THPVariable_Unpack(PySequence_Fast_GET_ITEM(seq.get(), i)));
   return PyBool_FromLong(maskedbranch::anchor_into_history(THPVariable_Unpack(out_obj), params, materialize != 0));
+  END_HANDLE_TH_ERRORS
+}
+
+constexpr const char* kDeadSet = "maskedbranch.DeadSet";
+
+void free_dead_set(PyObject* capsule) {
+  delete static_cast<maskedbranch::DeadSet*>(PyCapsule_GetPointer(capsule, kDeadSet));
+}
+
+// _C.dead_set(params) -> capsule: the parameters of one set of dead branches, for
+// anchor_dead_set (MaskedBranch keeps one per set of live branches).
+PyObject* py_dead_set(PyObject* /*self*/, PyObject* params_obj) {
+  HANDLE_TH_ERRORS
+  const auto seq = tensor_sequence(params_obj, "params");
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.get());
+  std::vector<at::Tensor> params;
+  params.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) params.push_back(THPVariable_Unpack(PySequence_Fast_GET_ITEM(seq.get(), i)));
+  auto* set = new maskedbranch::DeadSet(std::move(params));
+  PyObject* capsule = PyCapsule_New(set, kDeadSet, free_dead_set);
+  if (capsule == nullptr) delete set;
+  return capsule;
+  END_HANDLE_TH_ERRORS
+}
+
+// _C.anchor_dead_set(out, set) -> bool: anchor_into_history(out, the set's params, False).
+PyObject* py_anchor_dead_set(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *out_obj = nullptr, *set_obj = nullptr;
+  if (!PyArg_ParseTuple(args, "OO", &out_obj, &set_obj)) return nullptr;
+  TORCH_CHECK_TYPE(THPVariable_Check(out_obj), "out: expected a tensor");
+  auto* set = static_cast<maskedbranch::DeadSet*>(PyCapsule_GetPointer(set_obj, kDeadSet));
+  if (set == nullptr) return nullptr;
+  return PyBool_FromLong(set->anchor_into(THPVariable_Unpack(out_obj)));
   END_HANDLE_TH_ERRORS
 }
 
@@ -142,6 +174,8 @@ PyMethodDef methods[] = {
     {"row_signature_matches", py_row_signature_matches, METH_VARARGS, "row_signature_matches(sig, x, y) -> bool"},
     {"anchor_into_history", py_anchor_into_history, METH_VARARGS,
      "anchor_into_history(out, params, materialize) -> bool"},
+    {"dead_set", py_dead_set, METH_O, "dead_set(params) -> capsule"},
+    {"anchor_dead_set", py_anchor_dead_set, METH_VARARGS, "anchor_dead_set(out, set) -> bool"},
     {"grads_to_none", py_grads_to_none, METH_O, "grads_to_none(params) -> int"},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -61,6 +61,13 @@ class StructureCache(Generic[T]):
         self._version = -1
         self._value = None
 
+    # copy.deepcopy / pickle: a copy computes its value again (which may hold C++ objects).
+    def __getstate__(self) -> int:
+        return 0
+
+    def __setstate__(self, _state: int) -> None:
+        self.clear()
+
 
 class Usage:
     """Bit i: unit i (a branch) ran in a call that built a graph since the bits were last reset.

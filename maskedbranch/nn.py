@@ -336,13 +336,15 @@ class _BranchTable:
     branch (it already gives them their gradient). Built once per module structure, so a call
     does not walk ``parameters()`` or rebuild these lists."""
 
-    __slots__ = ("container", "branches", "params", "_dead")
+    __slots__ = ("container", "branches", "params", "kept", "_dead", "_sets")
 
-    def __init__(self, branches: Sequence[Callable]):
+    def __init__(self, branches: Sequence[Callable], kept: bool = True):
         self.container = branches  # MaskedBranch's ModuleList: its length is checked per call
+        self.kept = kept  # reused by later calls (MaskedBranch's), not built for one (masked_branch's)
         self.branches = list(branches)
         self.params = [_params_of(b) for b in self.branches]
         self._dead: Dict[int, Tuple[Tensor, ...]] = {}
+        self._sets: Dict[int, Any] = {}
 
     def dead_params(self, live_mask: int) -> Tuple[Tensor, ...]:
         dead = self._dead.get(live_mask)
@@ -362,6 +364,17 @@ class _BranchTable:
                 self._dead[live_mask] = dead
         return dead
 
+    def dead_set(self, live_mask: int) -> Any:
+        """``dead_params(live_mask)`` as a ``_C.dead_set``, whose node (undefined gradients) is
+        built once and linked by every call; None when there is nothing to anchor."""
+        found = self._sets.get(live_mask, self)
+        if found is self:
+            dead = self.dead_params(live_mask)
+            found = _C.dead_set(dead) if dead else None
+            if len(self._sets) < 1024:
+                self._sets[live_mask] = found
+        return found
+
 
 def _anchor_dead(
     out: Tensor, table: _BranchTable, live_mask: int, materialize: bool, extra: Tuple[Tensor, ...] = ()
@@ -369,14 +382,19 @@ def _anchor_dead(
     """Anchor the parameters of the branches that did not run (and ``extra``) to ``out``."""
     if not torch.is_grad_enabled():
         return out  # no graph: nothing to anchor
+    # The C++ paths read requires_grad themselves (freezing a branch changes no structure): a
+    # parameter that does not require grad gets no gradient.
+    eager = type(out) is Tensor and not torch.compiler.is_compiling()
+    if eager and not extra and not materialize and table.kept:
+        dead_set = table.dead_set(live_mask)
+        if dead_set is None or _C.anchor_dead_set(out, dead_set):
+            return out  # a node linking the set's shared one went into out's own history
     dead = table.dead_params(live_mask)
     if extra:
         dead = extra + dead
     if not dead:
         return out
-    # The C++ path reads requires_grad itself (freezing a branch changes no structure): a
-    # parameter that does not require grad gets no edge.
-    if type(out) is Tensor and not torch.compiler.is_compiling() and _C.anchor_into_history(out, dead, materialize):
+    if eager and _C.anchor_into_history(out, dead, materialize):
         return out  # the anchor went into out's own history: no view, no op dispatch
     params = [t for t in dead if t.requires_grad]
     return _ops.ops.anchor(out, params, materialize) if params else out
@@ -654,4 +672,4 @@ def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any
     that get no rows are not checked."""
     branch_list = _as_branch_list(branches, callables=True)
     _check_no_collectives(branch_list, check_params=False)
-    return _forward(_BranchTable(branch_list), x, gate, args, kwargs, False, None)[0]
+    return _forward(_BranchTable(branch_list, kept=False), x, gate, args, kwargs, False, None)[0]

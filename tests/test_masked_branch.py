@@ -280,6 +280,76 @@ def test_partly_frozen_dead_branch(materialize):
         assert (p.grad is not None and torch.count_nonzero(p.grad) == 0) if materialize else p.grad is None
 
 
+def _accumulator_hooks(params, fired):
+    """DDP's way of learning that a parameter's gradient is ready: a hook on its accumulator
+    (held, so that it stays the parameter's), which fires even for an undefined gradient."""
+    held = []
+    for p in params:
+        acc = p.view_as(p).grad_fn.next_functions[0][0]
+        acc.register_hook(lambda grad_inputs, grad_outputs, p=p: fired.append(p))
+        held.append(acc)
+    return held
+
+
+@pytest.mark.parametrize("materialize", [False, True])
+def test_freezing_changed_after_first_call(materialize):
+    """A dead branch's parameters are linked once per set of live branches. One unfrozen after
+    that must be anchored from then on; one frozen after it gets no gradient."""
+    m = MaskedBranch(make_branches(), materialize_grads=materialize)
+    unfrozen, frozen = m.branches[2][0].weight, m.branches[2][2].bias
+    unfrozen.requires_grad_(False)
+    x = torch.randn(B, D_IN, dtype=torch.float64, requires_grad=True)
+    m(x, 1).sum().backward()  # links branch 2's parameters without `unfrozen`
+    m.zero_grad()
+    unfrozen.requires_grad_(True)
+    frozen.requires_grad_(False)
+    fired = []
+    held = _accumulator_hooks([p for p in m.branches[2].parameters() if p.requires_grad], fired)
+    m(x, 1).sum().backward()
+    assert len(fired) == 3 and any(p is unfrozen for p in fired)
+    assert frozen.grad is None
+    for p in fired:
+        assert (p.grad is not None and torch.count_nonzero(p.grad) == 0) if materialize else p.grad is None
+    del held
+
+
+@pytest.mark.parametrize("materialize", [False, True])
+def test_parameter_data_of_another_dtype(materialize):
+    """``p.data = ...`` of another dtype gives p a new accumulator (autograd drops the old one):
+    a dead branch links the new one, and zeros come in the new dtype."""
+    m = MaskedBranch(make_branches(), materialize_grads=materialize)
+    x = torch.randn(B, D_IN, dtype=torch.float64, requires_grad=True)
+    m(x, 1).sum().backward()
+    m.zero_grad()
+    for p in m.branches[2].parameters():
+        p.data = p.data.float()
+    fired = []
+    held = _accumulator_hooks(list(m.branches[2].parameters()), fired)
+    m(x, 1).sum().backward()
+    assert len(fired) == 4
+    for p in m.branches[2].parameters():
+        assert (p.grad is not None and p.grad.dtype == torch.float32) if materialize else p.grad is None
+    del held
+
+
+def test_same_dead_set_twice_in_one_graph():
+    """Calls with the same live branch share the node that anchors the dead ones: two calls in
+    one graph, and two graphs, still give every parameter the reference gradient."""
+    m = MaskedBranch(make_branches(), materialize_grads=True)
+    ref = copy.deepcopy(m)
+    x1, x2 = (torch.randn(B, D_IN, dtype=torch.float64) for _ in range(2))
+    (m(x1, 1) * 2 + m(x2, 1)).sum().backward()
+    y1, y2 = m(x1, 0), m(x2, 0)  # two graphs, one backward each
+    y1.sum().backward()
+    y2.sum().backward()
+    b = ref.branches
+    (b[1](x1) * 2 + b[1](x2)).sum().backward()
+    (b[0](x1) + b[0](x2)).sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, torch.zeros_like(q) if q.grad is None else q.grad)
+
+
 def test_parameters_replaced_by_a_conversion():
     """.double() may put new parameter objects in place (overwrite_module_params_on_conversion):
     the branches that did not run must anchor the new ones."""
