@@ -39,6 +39,9 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default=None, choices=["cpu", "cuda"])
     ap.add_argument("--out", default=None, help="results folder (default results/<device>[-quick])")
     ap.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (default 1: steadier on a shared machine)")
+    ap.add_argument("--ddp-ranks", type=int, default=None,
+                    help="DDP suite world size (default 2 on CPU, 1 on a GPU; 1 on CPU shows each approach's own "
+                         "cost without a second rank's all-reduce noise)")
     args = ap.parse_args(argv)
     import torch
 
@@ -50,6 +53,8 @@ def main(argv=None) -> None:
 
     heap_kept = args.device == "cpu" and keep_freed_memory_mapped()
     only = [s.strip() for s in args.only.split(",") if s.strip()]
+    if args.ddp_ranks is not None and not 1 <= args.ddp_ranks <= (torch.cuda.device_count() if args.device == "cuda" else 8):
+        ap.error(f"--ddp-ranks: {args.ddp_ranks} ranks cannot run on this {args.device} machine")
     for s in only:
         if s not in SUITES:
             ap.error(f"--only: unknown suite {s!r} (choose from {', '.join(SUITES)})")

@@ -2,7 +2,7 @@
 
 A residual model of L routed layers, each 4 small MLP branches; every step every layer picks one
 branch per rank (an int gate). 2 ranks on CPU (gloo), 1 rank with NCCL on a GPU (DDP's graph walk of
-find_unused_parameters=True happens at any world size). Contenders, interleaved step by step:
+find_unused_parameters=True happens at any world size); --ddp-ranks N sets another. Contenders, interleaved step by step:
 * masked (fup=False): MaskedBranch, DDP(find_unused_parameters=False);
 * masked + unused->None: the same, plus maskedbranch.unused_grads_to_none(optimizer, ddp) (before each
   step, one small all-reduce of the recorded used bits; branches no rank ran get a None gradient, so
@@ -147,7 +147,7 @@ def run(cfg) -> list:
     import torch.multiprocessing as mp
 
     cuda = cfg.device == "cuda"
-    world = 1 if cuda else 2
+    world = cfg.ddp_ranks or (1 if cuda else 2)
     # Several launches (fresh processes, other routing draws): a process's memory layout moves
     # the ratio by a few percent, more than the steps within one launch vary.
     launches = 3
@@ -172,7 +172,8 @@ def run(cfg) -> list:
                     + [(statistics.median(ph["fwd"]) - statistics.median(ph["module fwd"])) * 1e3, ratio,
                        " / ".join(f"{x:.3g}" for x in per_launch)])
     _plot(cfg, rows)
-    backend = "1 rank, NCCL" if cuda else "2 ranks, gloo, 1 thread each"
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
+    backend = f"{ranks}, NCCL" if cuda else f"{ranks}, gloo, 1 thread{' each' if world > 1 else ''}"
     return [{
         "title": f"DDP step ({backend}; {c['layers']} routed layers x 4 MLP branches {c['d']}->{c['h']}->{c['d']}, "
                  f"batch {c['batch']} per rank, {launches} launches x {c['reps']} interleaved steps; medians in ms, rank 0)",
