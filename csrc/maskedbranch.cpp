@@ -14,6 +14,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/object_ptr.h>
 
+#include <memory>
+
 #include "anchor.h"
 
 namespace {
@@ -30,6 +32,26 @@ THPObjectPtr tensor_sequence(PyObject* obj, const char* name) {
   return seq;
 }
 
+// The tensors of a sequence checked by tensor_sequence.
+std::vector<at::Tensor> tensor_list(PyObject* obj, const char* name) {
+  const auto seq = tensor_sequence(obj, name);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.get());
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) out.push_back(THPVariable_Unpack(PySequence_Fast_GET_ITEM(seq.get(), i)));
+  return out;
+}
+
+// A capsule named `name` that owns `value` (deleted with the capsule).
+template <typename T>
+PyObject* owning_capsule(std::unique_ptr<T> value, const char* name) {
+  PyObject* capsule = PyCapsule_New(value.get(), name, [](PyObject* c) {
+    delete static_cast<T*>(PyCapsule_GetPointer(c, PyCapsule_GetName(c)));
+  });
+  if (capsule != nullptr) value.release();
+  return capsule;
+}
+
 // _C.anchor_into_history(out, params, materialize) -> bool: MaskedBranch's per-call anchor in
 // eager mode, called directly (a routed layer runs it on every call; see csrc/anchor.cpp).
 PyObject* py_anchor_into_history(PyObject* /*self*/, PyObject* args) {
@@ -39,34 +61,18 @@ PyObject* py_anchor_into_history(PyObject* /*self*/, PyObject* args) {
   int materialize = 0;
   if (!PyArg_ParseTuple(args, "OOp", &out_obj, &params_obj, &materialize)) return nullptr;
   TORCH_CHECK_TYPE(THPVariable_Check(out_obj), "out: expected a tensor");
-  const auto seq = tensor_sequence(params_obj, "params");
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.get());
-  std::vector<at::Tensor> params;
-  params.reserve(n);
-  for (Py_ssize_t i = 0; i < n; ++i) params.push_back(THPVariable_Unpack(PySequence_Fast_GET_ITEM(seq.get(), i)));
+  const auto params = tensor_list(params_obj, "params");
   return PyBool_FromLong(maskedbranch::anchor_into_history(THPVariable_Unpack(out_obj), params, materialize != 0));
   END_HANDLE_TH_ERRORS
 }
 
 constexpr const char* kDeadSet = "maskedbranch.DeadSet";
 
-void free_dead_set(PyObject* capsule) {
-  delete static_cast<maskedbranch::DeadSet*>(PyCapsule_GetPointer(capsule, kDeadSet));
-}
-
 // _C.dead_set(params) -> capsule: the parameters of one set of dead branches, for
 // anchor_dead_set (MaskedBranch keeps one per set of live branches).
 PyObject* py_dead_set(PyObject* /*self*/, PyObject* params_obj) {
   HANDLE_TH_ERRORS
-  const auto seq = tensor_sequence(params_obj, "params");
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.get());
-  std::vector<at::Tensor> params;
-  params.reserve(n);
-  for (Py_ssize_t i = 0; i < n; ++i) params.push_back(THPVariable_Unpack(PySequence_Fast_GET_ITEM(seq.get(), i)));
-  auto* set = new maskedbranch::DeadSet(std::move(params));
-  PyObject* capsule = PyCapsule_New(set, kDeadSet, free_dead_set);
-  if (capsule == nullptr) delete set;
-  return capsule;
+  return owning_capsule(std::make_unique<maskedbranch::DeadSet>(tensor_list(params_obj, "params")), kDeadSet);
   END_HANDLE_TH_ERRORS
 }
 
@@ -117,10 +123,6 @@ struct RowSignature {
 
 constexpr const char* kRowSignature = "maskedbranch.RowSignature";
 
-void free_row_signature(PyObject* capsule) {
-  delete static_cast<RowSignature*>(PyCapsule_GetPointer(capsule, kRowSignature));
-}
-
 bool has_rows(const at::Tensor& t) { return t.dim() >= 1 && !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides(); }
 
 std::vector<int64_t> trailing(const at::Tensor& t) { return t.sizes().slice(1).vec(); }
@@ -143,10 +145,9 @@ PyObject* py_row_signature(PyObject* /*self*/, PyObject* args) {
   const at::Tensor& x = THPVariable_Unpack(x_obj);
   const at::Tensor& y = THPVariable_Unpack(y_obj);
   TORCH_CHECK_VALUE(has_rows(x) && has_rows(y), "row_signature: expected tensors with rows and concrete sizes");
-  auto* sig = new RowSignature{trailing(x), trailing(y), x.scalar_type(), y.scalar_type(), x.device()};
-  PyObject* capsule = PyCapsule_New(sig, kRowSignature, free_row_signature);
-  if (capsule == nullptr) delete sig;
-  return capsule;
+  return owning_capsule(
+      std::make_unique<RowSignature>(RowSignature{trailing(x), trailing(y), x.scalar_type(), y.scalar_type(), x.device()}),
+      kRowSignature);
   END_HANDLE_TH_ERRORS
 }
 
