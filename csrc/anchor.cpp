@@ -116,10 +116,6 @@ at::Tensor anchor_autograd(const at::Tensor& x, at::TensorList params, bool mate
   return out;
 }
 
-}  // namespace
-
-namespace {
-
 // `out` was produced by an op, under grad mode: not a leaf, and not a view (whose history
 // autograd may regenerate).
 bool has_own_history(const at::Tensor& out) {
