@@ -6,8 +6,10 @@
 #   bash scripts/sanitize.sh [TEST_FILE...]
 #
 # Default tests: tests/test_ops.py (the op tests), tests/test_bad_inputs.py (every error path of
-# the kernels' argument checks) and tests/test_fuzz.py at half its examples (odd shapes, layouts
-# and gate patterns through the kernels; MASKEDBRANCH_FUZZ_SCALE overrides the 0.5).
+# the kernels' argument checks), tests/test_masked_branch.py (the module's direct C++ entry
+# points: anchors into history, shared dead-parameter nodes, signature capsules) and
+# tests/test_fuzz.py at half its examples (odd shapes, layouts and gate patterns through the
+# kernels; MASKEDBRANCH_FUZZ_SCALE overrides the 0.5).
 #
 # Knobs (environment):
 #   PYTHON              interpreter with torch, pytest, hypothesis, expecttest and ninja
@@ -34,7 +36,7 @@ fi
 BUILD=${SANITIZE_BUILD_DIR:-$ROOT/build/sanitize}
 CXX=${CXX:-c++}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-if [[ $# -gt 0 ]]; then TESTS=("$@"); else TESTS=(tests/test_ops.py tests/test_bad_inputs.py tests/test_fuzz.py); fi
+if [[ $# -gt 0 ]]; then TESTS=("$@"); else TESTS=(tests/test_ops.py tests/test_bad_inputs.py tests/test_masked_branch.py tests/test_fuzz.py); fi
 export MASKEDBRANCH_FUZZ_SCALE=${MASKEDBRANCH_FUZZ_SCALE:-0.5}
 
 note() { printf -- '-- %s\n' "$*"; }

@@ -6,7 +6,7 @@
 #   (b) builds the CMake/libtorch library and runs its C++ test with ctest;
 #   (c) builds the CPU-only variant (CPU-only torch, .venv-cpu) and runs the op tests there;
 #   (d) builds the CPU kernels with AddressSanitizer + UndefinedBehaviorSanitizer (out of tree,
-#       in .venv-cpu) and runs the op, bad-input and fuzz tests under them (scripts/sanitize.sh).
+#       in .venv-cpu) and runs the op, bad-input, MaskedBranch and fuzz tests under them (scripts/sanitize.sh).
 # Every part runs even when an earlier one fails; the exit status is non-zero if any failed.
 #
 # Knobs (environment):
