@@ -1,4 +1,4 @@
-// The eager anchors MaskedBranch calls directly from Python (csrc/maskedbranch.cpp).
+// The eager anchors MaskedBranch calls directly from Python (csrc/python_module.cpp).
 #pragma once
 #include <ATen/ATen.h>
 
