@@ -326,6 +326,11 @@ def _learn(
 # The forward.
 
 
+# Live-branch masks whose dead parameters a _BranchTable keeps: the masks of a many-branch
+# layer could vary without bound.
+_MAX_CACHED_MASKS = 1024
+
+
 def _params_of(branch: Callable) -> Tuple[Tensor, ...]:
     return tuple(branch.parameters()) if isinstance(branch, nn.Module) else ()
 
@@ -360,7 +365,7 @@ class _BranchTable:
                         seen.add(id(p))
                         out.append(p)
             dead = tuple(out)
-            if len(self._dead) < 1024:  # masks of many-branch layers could vary without bound
+            if len(self._dead) < _MAX_CACHED_MASKS:
                 self._dead[live_mask] = dead
         return dead
 
@@ -371,7 +376,7 @@ class _BranchTable:
         if found is self:
             dead = self.dead_params(live_mask)
             found = _C.dead_set(dead) if dead else None
-            if len(self._sets) < 1024:
+            if len(self._sets) < _MAX_CACHED_MASKS:
                 self._sets[live_mask] = found
         return found
 

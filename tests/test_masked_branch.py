@@ -350,6 +350,21 @@ def test_same_dead_set_twice_in_one_graph():
         torch.testing.assert_close(p.grad, torch.zeros_like(q) if q.grad is None else q.grad)
 
 
+def test_dead_parameter_caches_are_bounded():
+    """A table keeps, per set of live branches, the dead parameters and their shared node. The
+    sets of a many-branch layer could vary without bound: both caches stop at the bound, and a
+    set past it is still anchored."""
+    n = 11
+    m = MaskedBranch(make_branches(n=n))
+    bound = mb.nn._MAX_CACHED_MASKS
+    x = torch.randn(1, D_IN, dtype=torch.float64)
+    for live in range(1, bound + 20):  # one row, whose mask is the set of live branches
+        out = m(x, torch.tensor([[bool(live >> i & 1) for i in range(n)]]))
+    table = m._table()
+    assert len(table._dead) == bound and len(table._sets) == bound
+    assert all_params_in_graph(out, list(m.parameters()))
+
+
 def test_parameters_replaced_by_a_conversion():
     """.double() may put new parameter objects in place (overwrite_module_params_on_conversion):
     the branches that did not run must anchor the new ones."""
