@@ -53,8 +53,10 @@ def main(argv=None) -> None:
 
     heap_kept = args.device == "cpu" and keep_freed_memory_mapped()
     only = [s.strip() for s in args.only.split(",") if s.strip()]
-    if args.ddp_ranks is not None and not 1 <= args.ddp_ranks <= (torch.cuda.device_count() if args.device == "cuda" else 8):
-        ap.error(f"--ddp-ranks: {args.ddp_ranks} ranks cannot run on this {args.device} machine")
+    if args.ddp_ranks is not None and args.ddp_ranks < 1:
+        ap.error(f"--ddp-ranks: expected at least 1, got {args.ddp_ranks}")
+    if args.ddp_ranks is not None and args.device == "cuda" and args.ddp_ranks > torch.cuda.device_count():
+        ap.error(f"--ddp-ranks: {args.ddp_ranks} NCCL ranks need as many GPUs; {torch.cuda.device_count()} visible")
     for s in only:
         if s not in SUITES:
             ap.error(f"--only: unknown suite {s!r} (choose from {', '.join(SUITES)})")
