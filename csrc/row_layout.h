@@ -64,8 +64,14 @@ inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const 
                     " like ", ref_name, ", got one on ", t.device());
 }
 
+// The dtypes the kernels are compiled for. at::isFloatingType also admits float8 types,
+// which would then fail in dispatch with a less helpful message.
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kDouble || t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
 inline void check_floating(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), name,
+  TORCH_CHECK_TYPE(is_supported_float(t.scalar_type()), name,
                    ": expected float64, float32, float16 or bfloat16, got ", t.scalar_type());
 }
 

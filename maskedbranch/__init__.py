@@ -1,41 +1,39 @@
-"""maskedbranch: conditional computation that trains correctly and fast under
-DistributedDataParallel. Every branch's parameters stay in the autograd graph (dead ones get
-zero gradients) while the rows a branch does not serve are never computed."""
+"""maskedbranch: conditional computation that trains correctly and fast under data-parallel
+training. Every branch's parameters stay in the autograd graph (dead ones get a gradient anyway)
+while the rows a branch does not serve are never computed."""
 from . import reference
-from ._ops import Plan, WITH_CUDA, anchor, combine, drop_path_scale, gather, gather_split, make_plan, split_packed
+from ._ops import WITH_CUDA, Plan, make_plan
+from .functional import anchor, combine, gather
 from .nn import MaskedBranch, masked_branch
 from .drop_path import DropPath, ResidualDropPath, drop_add_residual, drop_path
 from .unused_grads import UnusedGradsToNone, unused_grads_to_none
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DropPath",
     "MaskedBranch",
     "Plan",
     "ResidualDropPath",
+    "UnusedGradsToNone",
     "WITH_CUDA",
     "anchor",
     "combine",
     "drop_add_residual",
     "drop_path",
-    "drop_path_scale",
     "find_divergent_parameters",
     "find_unused_parameters",
     "gather",
-    "gather_split",
     "make_plan",
     "masked_branch",
     "reference",
-    "split_packed",
     "unused_grads_to_none",
-    "UnusedGradsToNone",
 ]
 
 
 def __getattr__(name):
-    # The unused-parameter finder (maskedbranch.doctor) loads on first use, so that
-    # `python -m maskedbranch.doctor` does not find it imported already (runpy warns about that).
+    # The doctor loads on first use, so that `python -m maskedbranch.doctor` does not find it
+    # imported already (runpy warns about that).
     if name in ("doctor", "find_divergent_parameters", "find_unused_parameters"):
         import importlib
 

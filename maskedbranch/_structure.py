@@ -1,36 +1,38 @@
-"""Facts derived from a module tree (its parameter lists, whether it runs collectives), cached
-until the structure may have changed.
+"""What a routing module knows about its branches (their parameters, the parameters to tie for
+each set of live branches), computed once per module structure.
 
-Walking ``parameters()`` / ``named_modules()`` of every branch on every call costs more than a
-small branch's forward. Any registration of a module or parameter anywhere in the process (which
-``convert_sync_batchnorm``, ``add_module`` and parameter assignment all go through) bumps a
-global version, and so does ``_apply`` (``.to()``, ``.half()``) on the owning module.
-
-``Usage`` holds the bits through which routing modules record which branches ran (read and reset
-by :func:`maskedbranch.unused_grads_to_none`)."""
+Walking ``parameters()`` of every branch on every call costs more than a small branch's forward,
+so these facts are cached, with one invalidation rule: any registration of a module, parameter
+or buffer anywhere in the process (``add_module``, attribute assignment,
+``convert_sync_batchnorm``: PyTorch's global registration hooks), any ``_apply`` on a routing
+module or an ancestor (``.to()``, ``.half()``, which may replace parameter objects), and the
+``nn.ModuleList`` edits that register nothing (``del``, ``insert``) bump one global version; a
+cache computed under an older version is recomputed on its next use.
+"""
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+import sys
+from typing import Dict, List, Sequence, Tuple
 
+import torch
+from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
-T = TypeVar("T")
 _version = [0]
 
 
 def invalidate(*_args) -> None:
-    """Mark every cached structure stale. Also the signature of the registration hooks, which
-    must return None to leave the registered object unchanged."""
+    """Mark every cache stale. Also the registration hooks' signature (they must return None)."""
     _version[0] += 1
 
 
 _module.register_module_module_registration_hook(invalidate)
 _module.register_module_parameter_registration_hook(invalidate)
+_module.register_module_buffer_registration_hook(invalidate)
 
 
 class InvalidatesOnApply:
-    """Mixin for modules that cache facts about their parameters: ``_apply`` (``.to()``,
-    ``.half()``) may replace parameter objects without registering them."""
+    """Mixin for routing modules: ``_apply`` may replace parameter objects without registering them."""
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
@@ -38,42 +40,97 @@ class InvalidatesOnApply:
         return out
 
 
-class StructureCache(Generic[T]):
-    """One value computed from a module tree, recomputed after the structure may have changed."""
-
-    __slots__ = ("_version", "_value")
-
-    def __init__(self) -> None:
-        self._version = -1
-        self._value = None
-
-    def get(self, compute: Callable[[], T]) -> T:
-        if self._version != _version[0]:
-            self._value = compute()  # may raise: then nothing is cached
-            self._version = _version[0]
-        return self._value
-
-    def peek(self) -> "T | None":
-        """The cached value while it is current, else None (no closure to build per call)."""
-        return self._value if self._version == _version[0] else None
-
-    def clear(self) -> None:
-        self._version = -1
-        self._value = None
-
-    # copy.deepcopy / pickle: a copy computes its value again (which may hold C++ objects).
-    def __getstate__(self) -> int:
-        return 0
-
-    def __setstate__(self, _state: int) -> None:
-        self.clear()
+# At most this many sets of live branches keep their tied parameters (a many-branch layer could
+# see any number of them).
+MAX_CACHED_SETS = 1024
 
 
-class Usage:
-    """Bit i: unit i (a branch) ran in a call that built a graph since the bits were last reset.
-    A plain object, since assigning a module attribute goes through nn.Module.__setattr__."""
+class Branches:
+    """The branches of one routing module, each branch's parameters, and per set of live branches
+    (a bit mask) the parameters to tie: those of the branches that did not run, less any that a
+    live branch shares (it gives them their gradient already)."""
 
-    __slots__ = ("bits",)
+    __slots__ = ("version", "branches", "params", "skippable", "_tied")
 
-    def __init__(self) -> None:
-        self.bits = 0
+    def __init__(self, branches: Sequence, version: int = -1, params: "Sequence[Sequence[Tensor]] | None" = None):
+        self.version = version
+        self.branches = list(branches)
+        if params is None:
+            params = [tuple(b.parameters()) if isinstance(b, nn.Module) else () for b in self.branches]
+        self.params: List[Tuple[Tensor, ...]] = [tuple(ps) for ps in params]
+        self.skippable: "bool | None" = None  # set once the collectives check passed
+        self._tied: Dict[int, Tuple[Tensor, ...]] = {}
+
+    def tied(self, live_mask: int) -> Tuple[Tensor, ...]:
+        found = self._tied.get(live_mask)
+        if found is None:
+            live_ids = {id(p) for i, ps in enumerate(self.params) if live_mask >> i & 1 for p in ps}
+            out: Dict[int, Tensor] = {}
+            for i, ps in enumerate(self.params):
+                if not live_mask >> i & 1:
+                    out.update((id(p), p) for p in ps if id(p) not in live_ids)
+            found = tuple(out.values())
+            if len(self._tied) < MAX_CACHED_SETS:
+                self._tied[live_mask] = found
+        return found
+
+
+def current(cache: "Branches | None") -> bool:
+    return cache is not None and cache.version == _version[0]
+
+
+def version() -> int:
+    return _version[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Collectives. A branch that runs on one rank and is skipped on another must not communicate:
+# its collective would never be matched and the job would hang. One policy for every routing
+# module: such branches are refused whenever a branch may be skipped.
+
+
+def _collective_types() -> Tuple[type, ...]:
+    types: List[type] = [nn.SyncBatchNorm, nn.parallel.DistributedDataParallel]
+    # Only look at what the user imported: importing FSDP here would cost a second at startup.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    for name in ("FullyShardedDataParallel", "FSDPModule"):
+        t = getattr(fsdp, name, None)
+        if isinstance(t, type):
+            types.append(t)
+    return tuple(types)
+
+
+def check_skippable(branches: Sequence, where: str) -> None:
+    """Refuse branches that run collectives: SyncBatchNorm, DDP- or FSDP-wrapped modules (an FSDP2
+    unit inside a branch gathers its parameters in its own forward), and DTensor parameters
+    (tensor parallelism communicates in the forward). An FSDP2 unit *around* the routing module
+    is fine: it gathers the parameters of all branches before the routing module runs.
+
+    ``where`` names the branches in the message ("branches" or "branch")."""
+    types = _collective_types()
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    for i, branch in enumerate(branches):
+        if not isinstance(branch, nn.Module):
+            continue
+        label = f"{where}[{i}]" if len(branches) > 1 or where == "branches" else where
+        for name, m in branch.named_modules():
+            if isinstance(m, types):
+                hint = (
+                    " Use nn.BatchNorm* instead: a routed branch normalizes the rows it serves, as the "
+                    "if/else model does."
+                    if isinstance(m, nn.SyncBatchNorm)
+                    else ""
+                )
+                raise ValueError(
+                    f"{label}{'.' + name if name else ''} is a {type(m).__name__}, which runs collectives "
+                    "across ranks. A branch that gets no rows on one rank is skipped there, so its "
+                    f"collective would never be matched and the job would hang.{hint}"
+                )
+        if isinstance(dtensor, type):
+            for name, p in branch.named_parameters():
+                if isinstance(p, dtensor) and not torch.compiler.is_compiling():
+                    raise ValueError(
+                        f"{label}.{name} is a DTensor while the forward runs: sharded parameters "
+                        "communicate in the forward, which a skipped branch would not match. Shard the "
+                        "routing module (or a module around it) with fully_shard instead of a branch."
+                    )

@@ -1,38 +1,37 @@
 """DropPath / stochastic depth: the two-branch special case of a masked layer.
 
-A residual block ``out = x + drop_path(branch(x))`` is the masked layer ``base = x`` plus one
+A residual block ``out = x + drop_path(branch(x))`` is the routed layer ``base = x`` plus one
 branch whose coefficient is ``mask[b] / keep_prob``. Two forms:
 
-* :func:`drop_path` / :class:`DropPath` only see the branch output (drop-in replacements for
-  timm's ``drop_path`` / ``DropPath``, plus torchvision's ``"batch"`` mode). The branch already
-  ran, so they cannot skip compute; they draw the mask on the host and scale in one fused pass.
+* :func:`drop_path` / :class:`DropPath` only see the branch output: drop-in replacements for
+  timm's ``drop_path`` / ``DropPath`` (the same formula, draws, strides and repr) and
+  torchvision's ``stochastic_depth`` (``mode="batch"``). The branch already ran, so they cannot
+  skip its compute.
 * :func:`drop_add_residual` / :class:`ResidualDropPath` own the branch: they run it on the kept
-  rows only (``"row"``), or not at all when the whole batch is dropped (``"batch"``), and tie
-  the branch's parameters into the graph when it did not run so that every parameter gets a
-  gradient on every rank (DistributedDataParallel with ``find_unused_parameters=False``).
+  rows only (``"row"``), or not at all when the whole batch is dropped (``"batch"``), through
+  the routing path that MaskedBranch uses (maskedbranch/_route.py), and tie the branch's
+  parameters into the graph when it did not run.
 
-Semantics are those of timm / torchvision: Bernoulli(keep_prob) per row (``"row"``) or per call
-(``"batch"``), scaled by ``1 / keep_prob`` when ``scale_by_keep`` and ``keep_prob > 0``, the
-identity in eval mode or at ``drop_prob == 0``; ``drop_prob == 1`` drops everything (no
-division by zero).
+Semantics are timm's and torchvision's: Bernoulli(keep_prob) per row or per call, scaled by
+``1 / keep_prob`` when ``scale_by_keep`` and ``keep_prob > 0``; the identity in eval mode or at
+``drop_prob == 0``; ``drop_prob == 1`` drops everything.
 
-The mask is always drawn on the host from a CPU generator (torch's default one, or
-``generator``) and shipped to the device asynchronously, so the CUDA path never synchronizes.
-With the default generator, ranks draw whatever their seeding makes them draw (independent
-when each rank seeds differently, as with timm). For identical draws on every rank, pass a CPU
-``torch.Generator`` seeded with the same value on every rank and advanced in lockstep.
+Draws: :func:`drop_path` draws where timm does (a tensor on x's device, from that device's
+default generator), so that the masks equal timm's for the same seed. The residual forms need
+the kept count on the host, so they draw on the host from the default CPU generator (on a GPU,
+timm would draw from the CUDA one). ``generator=`` (a CPU ``torch.Generator``) overrides both.
 """
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from . import _ops, _structure
-from ._args import check_per_row_devices, route_args
+from . import _dead_grads, _route, _structure, unused_grads
 
 __all__ = ["drop_path", "DropPath", "drop_add_residual", "ResidualDropPath"]
 
@@ -40,20 +39,20 @@ _MODES = ("row", "batch")
 
 
 # ----------------------------------------------------------------------------------------------
-# Argument checks and the host-side draw.
+# Argument checks.
 
 
-def _check_drop_prob(drop_prob: Any) -> float:
+def _check_drop_prob(drop_prob: Any) -> Any:
+    """A probability in [0, 1]; returned as given (timm keeps ``DropPath(1).drop_prob == 1``)."""
     if isinstance(drop_prob, Tensor):
         if drop_prob.numel() != 1:
             raise ValueError(f"drop_prob: expected a number in [0, 1], got a tensor of shape {tuple(drop_prob.shape)}")
         drop_prob = drop_prob.item()
-    if isinstance(drop_prob, bool) or not isinstance(drop_prob, (int, float)):
+    if isinstance(drop_prob, bool) or not isinstance(drop_prob, numbers.Real):
         raise TypeError(f"drop_prob: expected a number in [0, 1], got {type(drop_prob).__name__}")
-    p = float(drop_prob)
-    if not (0.0 <= p <= 1.0):  # also rejects NaN
+    if not (0.0 <= float(drop_prob) <= 1.0):  # also rejects NaN
         raise ValueError(f"drop_prob: expected a probability in [0, 1], got {drop_prob}")
-    return p
+    return drop_prob
 
 
 def _check_mode(mode: Any) -> str:
@@ -69,26 +68,18 @@ def _check_generator(generator: Any) -> Optional[torch.Generator]:
         raise TypeError(f"generator: expected a CPU torch.Generator or None, got {type(generator).__name__}")
     if generator.device.type != "cpu":
         raise ValueError(
-            f"generator: expected a CPU torch.Generator, got one on {generator.device}. The mask is "
-            "drawn on the host so that the device never synchronizes; create the generator with "
-            "torch.Generator() (device 'cpu')."
+            f"generator: expected a CPU torch.Generator, got one on {generator.device}. Masks are drawn on "
+            "the host so that the device never synchronizes; create it with torch.Generator()."
         )
     return generator
 
 
-def _check_x(x: Any, name: str = "x") -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name}: expected a tensor, got {type(x).__name__}")
-    if x.dim() < 1:
-        raise ValueError(f"{name}: expected at least one dimension (the batch first), got a 0-dim tensor")
-
-
-def _check_floating(x: Tensor) -> None:
+def _check_x(x: Any) -> None:
+    if isinstance(x, torch.fx.Proxy):
+        return  # symbolic tracing: shapes are unknown
+    _route.check_x(x)
     if not x.is_floating_point():
-        raise TypeError(
-            "x: expected a floating-point tensor (float64, float32, float16 or bfloat16) to scale, "
-            f"got dtype {x.dtype}"
-        )
+        raise TypeError(f"x: expected a floating-point tensor (float64, float32, float16 or bfloat16), got dtype {x.dtype}")
 
 
 def _check_branch_output(y: Any, rows: int, x: Tensor) -> Tensor:
@@ -101,14 +92,304 @@ def _check_branch_output(y: Any, rows: int, x: Tensor) -> Tensor:
     return y
 
 
+# ----------------------------------------------------------------------------------------------
+# The timm-compatible form: scale an existing branch output.
+
+
+def drop_path(
+    x: Tensor,
+    drop_prob: float = 0.0,
+    training: bool = False,
+    scale_by_keep: bool = True,
+    mode: str = "row",
+    generator: Optional[torch.Generator] = None,
+) -> Tensor:
+    """Stochastic depth on a branch output ``x``: timm's ``drop_path`` (``mode="row"``, the
+    default) and torchvision's ``stochastic_depth`` (``mode="batch"`` drops the whole tensor).
+
+    Returns ``x`` itself in eval mode or at ``drop_prob == 0``; otherwise ``x * mask`` with the
+    mask drawn and scaled exactly as timm draws and scales it (so the results are bitwise equal
+    for the same seed, and the output keeps x's strides). ``generator``: a CPU
+    ``torch.Generator`` to draw from instead (the mask is then shipped to x's device).
+
+    The branch that produced ``x`` already ran: use :func:`drop_add_residual` to skip it.
+    """
+    _check_x(x)
+    p = _check_drop_prob(drop_prob)
+    _check_mode(mode)
+    generator = _check_generator(generator)
+    if p == 0.0 or not training:
+        return x
+    keep_prob = 1.0 - p
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1) if mode == "row" else (1,) * x.ndim
+    if generator is None:
+        mask = x.new_empty(shape).bernoulli_(keep_prob)
+    else:
+        mask = torch.empty(shape, dtype=x.dtype).bernoulli_(keep_prob, generator=generator)
+        mask = mask.to(x.device, non_blocking=True)
+    if keep_prob > 0.0 and scale_by_keep:
+        mask.div_(keep_prob)
+    return x * mask
+
+
+class DropPath(nn.Module):
+    """Module form of :func:`drop_path`; a drop-in swap for timm's ``DropPath`` (same attributes,
+    repr and results) with torchvision's ``mode="batch"`` as well. ``generator``: an optional CPU
+    ``torch.Generator`` the masks are drawn from.
+
+    Scripting (``torch.jit.script``) gives the same formula drawing from the default generator.
+    """
+
+    def __init__(
+        self,
+        drop_prob: float = 0.0,
+        scale_by_keep: bool = True,
+        mode: str = "row",
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        super().__init__()
+        self.drop_prob = _check_drop_prob(drop_prob)
+        self.scale_by_keep = scale_by_keep
+        self.mode = _check_mode(mode)
+        self.generator = _check_generator(generator)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return drop_path(x, self.drop_prob, self.training, self.scale_by_keep, self.mode, self.generator)
+
+    def extra_repr(self) -> str:
+        s = f"drop_prob={round(self.drop_prob, 3):0.3f}"
+        return s if self.mode == "row" else s + f", mode={self.mode}"
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        return _ScriptableDropPath(float(self.drop_prob), bool(self.scale_by_keep), self.mode, self.training)
+
+
+class _ScriptableDropPath(nn.Module):
+    """What ``torch.jit.script`` compiles in place of :class:`DropPath`: the same formula, drawing
+    from the default generator of x's device."""
+
+    def __init__(self, drop_prob: float, scale_by_keep: bool, mode: str, training: bool):
+        super().__init__()
+        self.drop_prob = drop_prob
+        self.scale_by_keep = scale_by_keep
+        self.mode = mode
+        self.train(training)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep_prob = 1.0 - self.drop_prob
+        shape = [1] * x.dim()
+        if self.mode == "row":
+            shape[0] = x.shape[0]
+        mask = x.new_empty(shape).bernoulli_(keep_prob)
+        if keep_prob > 0.0 and self.scale_by_keep:
+            mask.div_(keep_prob)
+        return x * mask
+
+
+# ----------------------------------------------------------------------------------------------
+# The residual form: owns the branch, so it can skip the dropped rows.
+
+
+def _branch_params(branch: Callable, params: Optional[Iterable[Tensor]]) -> Tuple[Tensor, ...]:
+    if params is not None:
+        return tuple(params)
+    if isinstance(branch, nn.Module):
+        return tuple(branch.parameters())
+    owner = getattr(branch, "__self__", None)  # a bound method of a module
+    return tuple(owner.parameters()) if isinstance(owner, nn.Module) else ()
+
+
+class _Checked:
+    """The branch, with the residual form's check of its output (shaped like its input rows)."""
+
+    __slots__ = ("branch",)
+
+    def __init__(self, branch: Callable):
+        self.branch = branch
+
+    def __call__(self, h: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return _check_branch_output(self.branch(h, *args, **kwargs), h.shape[0], h)
+
+
+def _residual(
+    x: Tensor,
+    table: _structure.Branches,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    drop_prob: float,
+    training: bool,
+    mode: str,
+    scale_by_keep: bool,
+    generator: Optional[torch.Generator],
+    materialize: Optional[bool],
+    where: str,
+) -> Tuple[Tensor, bool]:
+    """The output, and whether the branch ran."""
+    if drop_prob == 0.0 or not training or isinstance(x, torch.fx.Proxy):
+        # Nothing dropped, or symbolic tracing (which cannot follow data-dependent routing): the
+        # dense formula.
+        branch = table.branches[0]
+        y = branch(x, *args, **kwargs)
+        return x + drop_path(y, drop_prob, training, scale_by_keep, mode, generator), True
+    keep_prob = 1.0 - float(drop_prob)
+    scale = _keep_scale(keep_prob, scale_by_keep, x.dtype)
+    gate: Any
+    if mode == "batch":
+        gate = 0 if bool(_draw(1, keep_prob, generator)[0]) else -1
+    else:
+        gate = _draw(x.shape[0], keep_prob, generator).to(torch.int64).sub_(1)  # 0 kept, -1 dropped
+    zeros = _dead_grads.tie_policy(materialize, where)
+    out, live = _route.route(table, x, gate, args, kwargs, zeros=zeros, base=x, scale=scale, where="branch")
+    return out, bool(live)
+
+
+def drop_add_residual(
+    x: Tensor,
+    branch: Callable[..., Tensor],
+    drop_prob: float,
+    training: bool,
+    mode: str = "row",
+    scale_by_keep: bool = True,
+    generator: Optional[torch.Generator] = None,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: Optional[Dict[str, Any]] = None,
+    params: Optional[Iterable[Tensor]] = None,
+    materialize_grads: Optional[bool] = None,
+) -> Tensor:
+    """``x + drop_path(branch(x), drop_prob, training, scale_by_keep, mode)``, computing the
+    branch only where it counts.
+
+    * ``"row"``: the branch runs on the kept rows only (gathered into one batch), and the scaled
+      add is fused into one pass. Nothing dropped: ``x + scale * branch(x)``, no gather.
+      Everything dropped: the branch does not run.
+    * ``"batch"``: the branch runs on the whole batch or not at all.
+
+    When the branch does not run, its parameters (``branch.parameters()`` for a module or a
+    bound method of one, else ``params``) still get a gradient, so DDP works with
+    ``find_unused_parameters=False``; ``materialize_grads`` as for :class:`MaskedBranch`.
+    ``args`` / ``kwargs`` go to the branch; tensors whose first dimension is the batch are
+    routed with ``x``. The mask is drawn on the host (``generator``: a CPU ``torch.Generator``;
+    default: torch's default CPU generator). The branch must treat rows independently for the
+    result to equal the dense formula (BatchNorm in training mode sees only the kept rows).
+    """
+    _check_x(x)
+    p = _check_drop_prob(drop_prob)
+    _check_mode(mode)
+    generator = _check_generator(generator)
+    if not callable(branch):
+        raise TypeError(f"branch: expected a callable (a module or a function), got {type(branch).__name__}")
+    table = _structure.Branches([_Checked(branch)], params=[_branch_params(branch, params)])
+    return _residual(
+        x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
+        materialize_grads, "drop_add_residual",
+    )[0]
+
+
+class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
+    """``x + drop_path(branch(x, *args, **kwargs))`` with the branch run only on the kept rows
+    (``mode="row"``) or skipped when the batch is dropped (``mode="batch"``). See
+    :func:`drop_add_residual`.
+
+    Extra positional / keyword tensors whose first dimension is the batch are routed with ``x``
+    (an attention mask, per-sample conditioning); other arguments pass through unchanged.
+    ``generator`` (keyword only): an optional CPU ``torch.Generator`` for the masks.
+    ``materialize_grads`` (keyword only): as for :class:`MaskedBranch` (default: automatic).
+
+    Branches that run collectives (``SyncBatchNorm``, DDP/FSDP units, DTensor parameters) cannot
+    be skipped on one rank while the others run them; they are refused in training with
+    ``drop_prob > 0``. Symbolic tracing (``torch.fx``) and scripting give the dense formula.
+    """
+
+    def __init__(
+        self,
+        branch: nn.Module,
+        drop_prob: float = 0.0,
+        mode: str = "row",
+        scale_by_keep: bool = True,
+        *,
+        generator: Optional[torch.Generator] = None,
+        materialize_grads: Optional[bool] = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(branch, nn.Module):
+            raise TypeError(f"branch: expected an nn.Module, got {type(branch).__name__}")
+        self.branch = branch
+        self.drop_prob = _check_drop_prob(drop_prob)
+        self.mode = _check_mode(mode)
+        self.scale_by_keep = scale_by_keep
+        self.generator = _check_generator(generator)
+        if materialize_grads is not None and not isinstance(materialize_grads, bool):
+            raise TypeError(f"materialize_grads: expected None (automatic), True or False, got {type(materialize_grads).__name__}")
+        self.materialize_grads = materialize_grads
+        self._cache: Optional[_structure.Branches] = None
+        self._usage = unused_grads.Usage()
+        unused_grads.register(self)
+
+    def _table(self) -> _structure.Branches:
+        cache = self._cache
+        if not _structure.current(cache):
+            cache = self._cache = _structure.Branches([_Checked(self.branch)], _structure.version(), [tuple(self.branch.parameters())])
+        return cache
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        p = _check_drop_prob(self.drop_prob)
+        _check_mode(self.mode)
+        _check_x(x)
+        table = self._table()
+        if self.training and p > 0 and table.skippable is None:
+            _structure.check_skippable([self.branch], "branch")
+            table.skippable = True
+        out, ran = _residual(
+            x, table, args, kwargs, p, self.training, self.mode, self.scale_by_keep, self.generator,
+            self.materialize_grads, "ResidualDropPath",
+        )
+        if ran and torch.is_grad_enabled() and not isinstance(x, torch.fx.Proxy):
+            self._usage.record(1)
+        return out
+
+    def _unit_modules(self) -> List[nn.Module]:
+        return [self.branch]
+
+    def _units(self) -> List[Sequence[Tensor]]:
+        return [tuple(self.branch.parameters())]
+
+    def extra_repr(self) -> str:
+        s = f"drop_prob={round(self.drop_prob, 3):0.3f}, mode={self.mode}"
+        return s if self.scale_by_keep else s + ", scale_by_keep=False"
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._cache = None
+        self._usage = unused_grads.Usage()
+        unused_grads.register(self)
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        return _ScriptableResidual(self.branch, DropPath(self.drop_prob, self.scale_by_keep, self.mode).train(self.training))
+
+
+class _ScriptableResidual(nn.Module):
+    """What ``torch.jit.script`` compiles in place of :class:`ResidualDropPath`: the dense formula."""
+
+    def __init__(self, branch: nn.Module, drop: nn.Module):
+        super().__init__()
+        self.branch = branch
+        self.drop = drop
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.drop(self.branch(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# Host-side draws and the factor of kept rows.
+
+
 def _draw(n: int, keep_prob: float, generator: Optional[torch.Generator]) -> Tensor:
     """n Bernoulli(keep_prob) draws on the host as a float32 0/1 tensor. Same stream as timm's
     and torchvision's ``empty(...).bernoulli_(keep_prob)`` on a CPU tensor with the same seed."""
     return torch.empty(n, dtype=torch.float32).bernoulli_(keep_prob, generator=generator)
-
-
-def _opmath(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _keep_scale(keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> float:
@@ -145,308 +426,3 @@ def _rounded_inverse(keep_prob: float, dtype: torch.dtype) -> float:
     if dtype == torch.float32:
         return q
     return torch.ones((), dtype=dtype).div_(keep_prob).item()  # other dtypes: ask torch
-
-
-# ----------------------------------------------------------------------------------------------
-# The timm-compatible form: scale an existing branch output.
-
-
-def drop_path(
-    x: Tensor,
-    drop_prob: float = 0.0,
-    training: bool = False,
-    scale_by_keep: bool = True,
-    mode: str = "row",
-    *,
-    generator: Optional[torch.Generator] = None,
-) -> Tensor:
-    """Stochastic depth on a branch output ``x`` (timm's ``drop_path`` plus torchvision's modes).
-
-    ``"row"``: each row of ``x`` is kept with probability ``1 - drop_prob``; ``"batch"``: the whole
-    tensor is kept or zeroed at once. Kept values are scaled by ``1 / (1 - drop_prob)`` when
-    ``scale_by_keep`` (and ``drop_prob < 1``). Returns ``x`` itself in eval mode or at
-    ``drop_prob == 0``. The mask is drawn on the host (``generator``: an optional CPU
-    ``torch.Generator``) and applied in one fused pass without synchronizing the device.
-
-    The branch that produced ``x`` already ran, so nothing is saved but the multiply; use
-    :func:`drop_add_residual` to skip the branch on dropped rows.
-    """
-    _check_x(x)
-    p = _check_drop_prob(drop_prob)
-    _check_mode(mode)
-    generator = _check_generator(generator)
-    if p == 0.0 or not training:
-        return x
-    _check_floating(x)
-    keep_prob = 1.0 - p
-    scaled = scale_by_keep and keep_prob > 0.0
-    # The factors are made as timm and torchvision make them (a 0/1 mask of x's dtype divided by
-    # keep_prob), on the host: the same values bit for bit, and no data-dependent Python.
-    if mode == "batch":
-        noise = _draw(1, keep_prob, generator).to(x.dtype).reshape(())
-        if scaled:
-            noise.div_(keep_prob)
-        return x * noise  # a 0-dim host tensor is read on the host: no device sync
-    mask = _draw(x.shape[0], keep_prob, generator).to(x.dtype)
-    if scaled:
-        mask.div_(keep_prob)
-    (mask,) = _ops._ship([mask.to(_opmath(x.dtype))], x.device)
-    return _ops.drop_path_scale(x, mask)
-
-
-class DropPath(nn.Module):
-    """Module form of :func:`drop_path`; a drop-in swap for timm's ``DropPath`` (the identity in
-    eval mode, same ``extra_repr``), with torchvision's ``mode="batch"`` as well.
-
-    ``generator`` (keyword only): an optional CPU ``torch.Generator`` the masks are drawn from.
-    """
-
-    def __init__(
-        self,
-        drop_prob: float = 0.0,
-        scale_by_keep: bool = True,
-        mode: str = "row",
-        *,
-        generator: Optional[torch.Generator] = None,
-    ) -> None:
-        super().__init__()
-        self.drop_prob = _check_drop_prob(drop_prob)
-        self.scale_by_keep = scale_by_keep
-        self.mode = _check_mode(mode)
-        self.generator = _check_generator(generator)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return drop_path(x, self.drop_prob, self.training, self.scale_by_keep, self.mode, generator=self.generator)
-
-    def extra_repr(self) -> str:
-        s = f"drop_prob={round(self.drop_prob, 3):0.3f}"
-        if self.mode != "row":
-            s += f", mode={self.mode}"
-        return s
-
-
-# ----------------------------------------------------------------------------------------------
-# The residual form: owns the branch, so it can skip the dropped rows.
-
-
-def _branch_params(branch: Callable, params: Optional[Iterable[Tensor]]) -> List[Tensor]:
-    if params is not None:
-        return list(params)
-    if isinstance(branch, nn.Module):
-        return list(branch.parameters())
-    owner = getattr(branch, "__self__", None)  # a bound method of a module
-    if isinstance(owner, nn.Module):
-        return list(owner.parameters())
-    return []
-
-
-def _select_rows(plan: _ops.Plan) -> Callable[[Tensor], Tensor]:
-    def select(t: Tensor) -> Tensor:
-        if t.is_floating_point():
-            return _ops.gather(t, plan)  # deterministic backward
-        return t.index_select(0, plan.rows)  # masks, ids: no gradient
-
-    return select
-
-
-def _skipped(x: Tensor, branch: Callable, params: Optional[Iterable[Tensor]], materialize: bool = False) -> Tensor:
-    """``x`` when the branch does not run at all: the branch's parameters are tied into the
-    graph, with undefined gradients (DDP's hooks fire and fill zeros for them) or, with
-    ``materialize``, zero tensors (what FSDP2 and DDP's ``static_graph`` need). ``anchor``
-    returns a view of its input; the clone gives callers a fresh tensor (as
-    ``x + 0 * branch(x)`` would) that they may modify in place, e.g. with ``relu_``."""
-    return _ops.anchor(x, _branch_params(branch, params), materialize).clone()
-
-
-@torch.compiler.disable
-def _row_plan(
-    batch: int, keep_prob: float, generator: Optional[torch.Generator], device: torch.device
-) -> Tuple[int, Optional[_ops.Plan]]:
-    """Draw the row mask on the host and build the routing plan of the kept rows (None when all
-    or none are kept). The kept count decides what runs: data-dependent Python, so under
-    torch.compile this helper is the one graph break of a row-mode call."""
-    mask = _draw(batch, keep_prob, generator)
-    kept = int(mask.sum())  # a host tensor: no device sync
-    if kept == batch or kept == 0:
-        return kept, None
-    ids = mask.to(torch.int64).sub_(1)  # 0 = kept (branch 0), -1 = dropped
-    return kept, _ops.make_plan(ids, 1, device=device)
-
-
-def _residual(
-    x: Tensor,
-    branch: Callable,
-    args: Tuple[Any, ...],
-    kwargs: Dict[str, Any],
-    drop_prob: float,
-    training: bool,
-    mode: str,
-    scale_by_keep: bool,
-    generator: Optional[torch.Generator],
-    params: Optional[Iterable[Tensor]],
-    materialize: bool = False,
-) -> Tuple[Tensor, bool]:
-    """The output, and whether the branch ran."""
-    if drop_prob == 0.0 or not training:
-        return x + branch(x, *args, **kwargs), True
-    _check_floating(x)
-    check_per_row_devices(args, kwargs, x)
-    keep_prob = 1.0 - drop_prob
-    scale = _keep_scale(keep_prob, scale_by_keep, x.dtype)
-    batch = x.shape[0]
-
-    if mode == "batch":
-        if not bool(_draw(1, keep_prob, generator)[0]):
-            return _skipped(x, branch, params, materialize), False
-        return torch.add(x, _check_branch_output(branch(x, *args, **kwargs), batch, x), alpha=scale), True
-
-    kept, plan = _row_plan(batch, keep_prob, generator, x.device)
-    if kept == batch:  # nothing dropped: no gather, no plan; add and scale in one pass
-        return torch.add(x, _check_branch_output(branch(x, *args, **kwargs), batch, x), alpha=scale), True
-    if kept == 0:  # everything dropped: the branch does not run
-        return _skipped(x, branch, params, materialize), False
-
-    select = _select_rows(plan)
-    args, kwargs = route_args(args, kwargs, batch, select)
-    y = _check_branch_output(branch(select(x), *args, **kwargs), kept, x)
-    base = x
-    if y.dtype != x.dtype:  # autocast: a low-precision branch on a float32 residual stream
-        dtype = torch.promote_types(x.dtype, y.dtype)
-        base, y = x.to(dtype), y.to(dtype)
-    weights = None
-    if scale != 1.0:
-        weights = torch.full((batch, 1), scale, dtype=_opmath(y.dtype), device=x.device)
-    return _ops.combine([y], plan, weights=weights, base=base), True
-
-
-def drop_add_residual(
-    x: Tensor,
-    branch: Callable[..., Tensor],
-    drop_prob: float,
-    training: bool,
-    mode: str = "row",
-    scale_by_keep: bool = True,
-    generator: Optional[torch.Generator] = None,
-    *,
-    args: Sequence[Any] = (),
-    kwargs: Optional[Dict[str, Any]] = None,
-    params: Optional[Iterable[Tensor]] = None,
-    materialize_grads: bool = False,
-) -> Tensor:
-    """``x + drop_path(branch(x), drop_prob, training, scale_by_keep, mode)``, computing the
-    branch only where it counts.
-
-    * ``"row"``: the branch runs on the kept rows only (gathered into one packed batch); the
-      scaled add is fused into one pass. Nothing dropped: ``x + scale * branch(x)`` in one pass,
-      no gather. Everything dropped: the branch does not run.
-    * ``"batch"``: the branch runs on the whole batch or not at all.
-
-    When the branch does not run, its parameters (``branch.parameters()`` for a module or a
-    bound method of one, else ``params``) still receive a gradient, so DistributedDataParallel
-    with ``find_unused_parameters=False`` works: undefined (DDP fills zeros; no kernel per
-    parameter), or zero tensors with ``materialize_grads=True`` (for FSDP2, which reduces only
-    defined gradients, and DDP with ``static_graph=True``).
-    ``args`` / ``kwargs`` are passed to the branch; tensors whose first dimension is the batch
-    are routed with ``x`` (only the kept rows reach the branch).
-
-    The mask is drawn on the host from ``generator`` (a CPU ``torch.Generator``; default: torch's
-    default CPU generator). The branch must treat rows independently for the result to equal
-    the dense formula (BatchNorm in training mode sees only the kept rows).
-    """
-    _check_x(x)
-    p = _check_drop_prob(drop_prob)
-    _check_mode(mode)
-    generator = _check_generator(generator)
-    if not callable(branch):
-        raise TypeError(f"branch: expected a callable (a module or a function), got {type(branch).__name__}")
-    return _residual(
-        x, branch, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator, params,
-        bool(materialize_grads),
-    )[0]
-
-
-def _runs_collectives(module: nn.Module) -> Optional[str]:
-    for name, m in module.named_modules():
-        if isinstance(m, nn.SyncBatchNorm):
-            return f"{type(m).__name__} at {name!r}" if name else type(m).__name__
-    return None
-
-
-class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
-    """``x + drop_path(branch(x, *args, **kwargs))`` with the branch run only on the kept rows
-    (``mode="row"``) or skipped when the batch is dropped (``mode="batch"``). See
-    :func:`drop_add_residual`.
-
-    Extra positional / keyword tensors whose first dimension is the batch are routed with ``x``
-    (an attention mask, per-sample conditioning); other arguments pass through unchanged.
-    ``generator`` (keyword only): an optional CPU ``torch.Generator`` for the masks; seed it
-    identically on every rank for identical draws across ranks. ``materialize_grads`` (keyword
-    only): a skipped branch's parameters get zero tensors rather than undefined gradients (for
-    FSDP2 and DDP's ``static_graph=True``; plain DDP fills the undefined ones itself).
-
-    Branches that run collectives (``SyncBatchNorm``) cannot be skipped on one rank while the
-    others run them (the collective would hang); they are refused in training with
-    ``drop_prob > 0``. With :func:`maskedbranch.unused_grads_to_none`, a branch dropped on every
-    rank gets ``None`` gradients, so the optimizer skips it.
-    """
-
-    def __init__(
-        self,
-        branch: nn.Module,
-        drop_prob: float = 0.0,
-        mode: str = "row",
-        scale_by_keep: bool = True,
-        *,
-        generator: Optional[torch.Generator] = None,
-        materialize_grads: bool = False,
-    ) -> None:
-        super().__init__()
-        if not isinstance(branch, nn.Module):
-            raise TypeError(f"branch: expected an nn.Module, got {type(branch).__name__}")
-        self.branch = branch
-        self.drop_prob = _check_drop_prob(drop_prob)
-        self.mode = _check_mode(mode)
-        self.scale_by_keep = scale_by_keep
-        self.generator = _check_generator(generator)
-        self.materialize_grads = bool(materialize_grads)
-        self._usage = _structure.Usage()
-        self._facts: _structure.StructureCache[Tuple[Optional[str], Tuple[Tensor, ...]]] = _structure.StructureCache()
-
-    def _branch_facts(self) -> Tuple[Optional[str], Tuple[Tensor, ...]]:
-        """(the collective the branch runs or None, its parameters), walked again only after the
-        module structure may have changed (convert_sync_batchnorm typically runs after
-        construction)."""
-        facts = self._facts.peek()
-        if facts is None:
-            facts = self._facts.get(lambda: (_runs_collectives(self.branch), tuple(self.branch.parameters())))
-        return facts
-
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        p = _check_drop_prob(self.drop_prob)
-        _check_mode(self.mode)
-        collective, params = self._branch_facts()
-        if collective is not None and self.training and p > 0.0:
-            raise RuntimeError(
-                f"ResidualDropPath: the branch contains {collective}, which runs collectives; "
-                "skipping it on some ranks only would hang the others. Use BatchNorm (or another "
-                "per-rank layer) in a branch that can be dropped, or set drop_prob=0."
-            )
-        _check_x(x)
-        out, ran = _residual(
-            x, self.branch, args, kwargs, p, self.training, self.mode, self.scale_by_keep, self.generator, params,
-            self.materialize_grads,
-        )
-        if ran and torch.is_grad_enabled():
-            self._usage.bits = 1
-        return out
-
-    def _units(self) -> List[Tuple[nn.Module, Tuple[Tensor, ...]]]:
-        """The branch and its parameters: the one unit whose use ``_usage`` records, for
-        :func:`maskedbranch.unused_grads_to_none`."""
-        return [(self.branch, self._branch_facts()[1])]
-
-    def extra_repr(self) -> str:
-        s = f"drop_prob={round(self.drop_prob, 3):0.3f}, mode={self.mode}"
-        if not self.scale_by_keep:
-            s += ", scale_by_keep=False"
-        return s

@@ -1,240 +1,250 @@
-"""``unused_grads_to_none``: the optimizer skips the parameters that no rank used, as it does with
-if/else routing and ``DistributedDataParallel(find_unused_parameters=True)``.
+"""Before each optimizer step, the gradients of branch parameters that no rank used are set to
+``None``, so that the optimizer skips them exactly as with if/else routing and
+``DistributedDataParallel(find_unused_parameters=True)``.
 
-A branch that did not run still gets a gradient from maskedbranch, so that DDP works with
-``find_unused_parameters=False``: DDP averages the ranks' gradients and writes zeros for a branch
-that no rank used. An optimizer then steps those parameters (momentum, Adam's moments and weight
-decay move them) and pays for it. With ``find_unused_parameters=True``, DDP learns which
-parameters no rank used (a walk of the autograd graph after every forward, plus an all-reduce of
-a used-map) and leaves their gradient ``None``, so the optimizer skips them.
+Routing modules give a branch that did not run a gradient anyway (maskedbranch/_dead_grads.py),
+so that DDP works with ``find_unused_parameters=False``; DDP then averages and writes zeros for
+a branch that no rank used, and an optimizer would step it (momentum, Adam's moments, weight
+decay). Every routing module records which of its branches ran; at each optimizer step these
+bits are all-reduced (one small collective, no graph walk) and the gradients of the parameters
+that belong only to branches no rank ran since the previous step are set back to ``None``.
 
-maskedbranch already knows which branches ran: every ``MaskedBranch`` / ``ResidualDropPath``
-records it as it routes. Before each optimizer step this hook all-reduces those bits (one small
-all-reduce, no graph walk) and sets the gradient of every parameter that belongs only to branches
-that no rank ran since the previous step to ``None``.
+This happens by default in distributed jobs, for modules with ``materialize_grads=None``, through
+one global optimizer step pre-hook (public API: ``torch.optim.optimizer.
+register_optimizer_step_pre_hook``). :func:`unused_grads_to_none` asks for it explicitly, for one
+optimizer, model and process group, whatever the modules' settings.
+
+A step that GradScaler skips (inf found) does not run the hook: its bits count towards the next
+step. Every rank must step the optimizer the same number of times, as data-parallel training does.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import _C, _structure
+from torch.optim import optimizer as _optimizer
+
+from . import _compat, _structure
 
 __all__ = ["UnusedGradsToNone", "unused_grads_to_none"]
 
 _USED = ord("1")
-_MAX_PENDING = 16  # reductions launched after forwards and not yet waited for by a step
+_registry: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # every routing module alive
 
 
-def _routing_modules(model: nn.Module) -> List[nn.Module]:
-    """The modules that record which of their units (branches) ran."""
-    return [m for m in model.modules() if hasattr(m, "_usage") and hasattr(m, "_units")]
+def register(module: nn.Module) -> None:
+    """Called by each routing module when it is created (or copied): the step hook considers
+    every routing module whose parameters the stepping optimizer holds, used or not, so that every
+    rank builds the same layout."""
+    _registry.add(module)
+    _install_global_hook()
+
+
+class Usage:
+    """Bit i: unit i (a branch) of one routing module ran in a call with autograd on since the
+    last optimizer step. Also remembers the DDP model around the module (its root and process
+    group) when one was seen."""
+
+    __slots__ = ("bits", "root", "group")
+
+    def __init__(self) -> None:
+        self.bits = 0
+        self.root: Any = None  # weakref to the DDP-wrapped model
+        self.group: Any = None
+
+    def record(self, live_mask: int) -> None:
+        self.bits |= live_mask
+        if self.root is None and dist.is_available() and dist.is_initialized():
+            ddp = _compat.active_ddp()
+            if ddp is not None:
+                self.root = weakref.ref(ddp.module)
+                self.group = ddp.process_group
+
+
+def _outside_params(root: nn.Module, branch_modules: set) -> set:
+    """ids of the parameters of ``root``'s modules reached without entering a branch: used
+    whatever the routing, never pruned."""
+    outside, seen, stack = set(), set(), [root]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen or id(m) in branch_modules:
+            continue
+        seen.add(id(m))
+        outside.update(id(p) for p in m.parameters(recurse=False))
+        stack.extend(m.children())
+    return outside
 
 
 class _Layout:
-    """Which parameters can be pruned, grouped by the units (branches) they belong to.
+    """The prunable parameters of one optimizer, grouped by the units (branches) they belong to,
+    in an order that every rank agrees on (the optimizer's parameter order). The used bits travel
+    as one ASCII byte per unit ('1' used), reduced with MAX (an OR that gloo and NCCL both have)."""
 
-    The used bits travel as one ASCII byte per unit ('1' used, '0' not), reduced with MAX (an OR
-    that gloo and NCCL both have). Module m's units are ``format(bits, "0{n}b")``: its last
-    branch comes first, so unit numbers follow that order."""
-
-    def __init__(self, model: nn.Module):
-        self.formats: List[Tuple[Any, int, str]] = []  # (the module's Usage, its units' mask, their format)
-        units_of: Dict[int, List[int]] = {}
+    def __init__(self, modules: Sequence[nn.Module], optimizer_params: Sequence[Tensor], root: Optional[nn.Module]):
+        position = {id(p): k for k, p in enumerate(optimizer_params)}
+        branch_modules = {id(b) for m in modules for b in m._unit_modules()}
+        outside = _outside_params(root, branch_modules) if root is not None else set()
+        entries: List[Tuple[int, nn.Module, int, Tuple[Tensor, ...]]] = []
+        for m in modules:
+            for i, ps in enumerate(m._units()):
+                ps = tuple(p for p in ps if id(p) in position)
+                if ps:
+                    entries.append((min(position[id(p)] for p in ps), m, i, ps))
+        entries.sort(key=lambda e: e[0])
+        self.units = [(m, i) for _, m, i, _ in entries]
+        owners: Dict[int, List[int]] = {}
         params: Dict[int, Tensor] = {}
-        branch_modules = set()
-        start = 0
-        for m in _routing_modules(model):
-            pairs = m._units()
-            n = len(pairs)
-            self.formats.append((m._usage, (1 << n) - 1, f"0{n}b"))
-            for i, (branch, ps) in enumerate(pairs):
-                branch_modules.add(id(branch))
-                for p in ps:
-                    params[id(p)] = p
-                    units_of.setdefault(id(p), []).append(start + n - 1 - i)
-            start += n
-        # Parameters owned by a module reached without entering a branch (the trunk, or the
-        # routing module itself) may be used whatever the routing: never pruned.
-        outside = set()
-        seen = set()
-        stack = [model]
-        while stack:
-            m = stack.pop()
-            if id(m) in seen or id(m) in branch_modules:
-                continue
-            seen.add(id(m))
-            outside.update(id(p) for p in m.parameters(recurse=False))
-            stack.extend(m.children())
-        # The prunable parameters, grouped by the set of units they belong to.
+        for u, (_, _, _, ps) in enumerate(entries):
+            for p in ps:
+                owners.setdefault(id(p), []).append(u)
+                params[id(p)] = p
+        # A parameter shared by several units is pruned only when all of them went unused.
+        self.groups: List[Tuple[Tuple[int, ...], List[Tensor]]] = []
         by_units: Dict[Tuple[int, ...], List[Tensor]] = {}
-        for pid, us in units_of.items():
+        for pid, us in owners.items():
             if pid not in outside:
                 by_units.setdefault(tuple(sorted(set(us))), []).append(params[pid])
-        # Prunable parameters per unit when a parameter belongs to that unit alone (the common
-        # case), per set of units otherwise.
-        self.single: List[Tuple[int, List[Tensor]]] = []
-        self.shared: List[Tuple[Tuple[int, ...], List[Tensor]]] = []
-        for units, ps in by_units.items():
-            if len(units) == 1:
-                self.single.append((units[0], ps))
-            else:
-                self.shared.append((units, ps))
+        self.groups = list(by_units.items())
+        self.modules = list(dict.fromkeys(m for m, _ in self.units))
 
     def take_bits(self) -> Tensor:
-        """The bits recorded since the last call, as the bytes reduced across ranks; resets them."""
-        parts = []
-        for usage, mask, fmt in self.formats:
-            parts.append(format(usage.bits & mask, fmt))  # one character per unit, whatever the bits
-            usage.bits = 0
-        return torch.frombuffer(bytearray("".join(parts), "ascii"), dtype=torch.uint8)
+        text = "".join("1" if m._usage.bits >> i & 1 else "0" for m, i in self.units)
+        for m in self.modules:
+            m._usage.bits = 0
+        return torch.frombuffer(bytearray(text, "ascii"), dtype=torch.uint8)
 
-    def unused_params(self, used: bytes) -> List[Tensor]:
-        """The prunable parameters of the units whose byte in ``used`` is not '1'."""
-        out: List[Tensor] = []
-        for u, ps in self.single:
-            if used[u] != _USED:
-                out += ps
-        for units, ps in self.shared:
+    def prune(self, used: bytes) -> int:
+        pruned = 0
+        for units, ps in self.groups:
             if all(used[u] != _USED for u in units):
-                out += ps
-        return out
+                for p in ps:
+                    if p.grad is not None:
+                        p.grad = None
+                        pruned += 1
+        return pruned
+
+
+def _bits_device(group: Any) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())  # NCCL reduces device tensors only
+    return torch.device("cpu")
+
+
+def _reduce(bits: Tensor, group: Any) -> bytes:
+    device = _bits_device(group)
+    if device.type == "cuda":
+        bits = bits.pin_memory().to(device, non_blocking=True)
+    dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=group)
+    return bytes(bits.cpu().tolist())
+
+
+class _Pruner:
+    """Prunes one optimizer's parameters of the given routing modules (all auto-mode modules, or
+    those of one model for :func:`unused_grads_to_none`)."""
+
+    def __init__(self, group: Any = None, root: Optional[nn.Module] = None):
+        self.group = group
+        self.root = root
+        self._layouts: Dict[int, Tuple[int, int, _Layout]] = {}  # id(optimizer) -> (version, modules, layout)
+        self.last_pruned = 0
+
+    def layout(self, optimizer: torch.optim.Optimizer, modules: List[nn.Module], root: Optional[nn.Module]) -> _Layout:
+        key = (_structure.version(), len(modules))
+        found = self._layouts.get(id(optimizer))
+        if found is None or found[:2] != key:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            found = (*key, _Layout(modules, params, root))
+            self._layouts[id(optimizer)] = found
+        return found[2]
+
+    def run(self, optimizer: torch.optim.Optimizer, modules: List[nn.Module]) -> None:
+        roots = {id(r): r for m in modules for r in [m._usage.root and m._usage.root()] if r is not None}
+        root = self.root if self.root is not None else (next(iter(roots.values())) if len(roots) == 1 else None)
+        layout = self.layout(optimizer, modules, root)
+        if not layout.units:
+            return
+        group = self.group
+        if group is None:
+            group = next((m._usage.group for m in layout.modules if m._usage.group is not None), None)
+        used = _reduce(layout.take_bits(), group if group is not None else dist.group.WORLD)
+        self.last_pruned = layout.prune(used)
+
+
+_explicit: "weakref.WeakKeyDictionary[torch.optim.Optimizer, UnusedGradsToNone]" = weakref.WeakKeyDictionary()
+_auto = _Pruner()
+_hook_handle: List[Any] = []
+
+
+def _install_global_hook() -> None:
+    if not _hook_handle:
+        _hook_handle.append(_optimizer.register_optimizer_step_pre_hook(_before_any_step))
+
+
+def _before_any_step(optimizer, args, kwargs) -> None:
+    if not (dist.is_available() and dist.is_initialized()) or optimizer in _explicit:
+        return
+    taken = {id(m) for h in _explicit.values() for m in h.modules}
+    modules = [m for m in list(_registry) if m.materialize_grads is None and id(m) not in taken]
+    if modules:
+        _auto.run(optimizer, modules)
 
 
 class UnusedGradsToNone:
-    """The handle :func:`unused_grads_to_none` returns; ``remove()`` detaches its hooks.
-
-    With a DDP model, the used bits are all-reduced asynchronously right after every forward
-    that will synchronize gradients (not under ``no_sync()``), so the collective overlaps the
-    backward; the step hook only waits for it. Otherwise the step hook reduces them itself."""
+    """The handle :func:`unused_grads_to_none` returns; ``remove()`` detaches it. ``last_pruned``:
+    how many gradients the last step set to ``None``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, process_group: Any = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected an nn.Module (the model or its DDP wrapper), got {type(model).__name__}")
-        import torch.distributed as dist
-
         ddp = isinstance(model, nn.parallel.DistributedDataParallel)
-        self.model = model.module if ddp else model
-        if not _routing_modules(self.model):
-            raise ValueError(
-                "model: contains no MaskedBranch or ResidualDropPath, so no parameter can be found unused"
-            )
-        if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = model.process_group if ddp else dist.group.WORLD
-        self.process_group = process_group
-        self._bits_device = None if process_group is None else self._device_for(process_group)
-        self._layout: _structure.StructureCache[_Layout] = _structure.StructureCache()
-        self._pending: List[Tuple[Optional[_Layout], Any, Optional[Tensor]]] = []  # (layout, work, flags) per launch
-        self._handles = [optimizer.register_step_pre_hook(self._before_step)]
-        if ddp and process_group is not None:
-            self._handles.append(model.register_forward_hook(self._after_ddp_forward))
-        self.last_pruned = 0  # parameters set to None before the last step (for logging)
+        root = model.module if ddp else model
+        self.modules = [m for m in root.modules() if isinstance(getattr(m, "_usage", None), Usage)]
+        if not self.modules:
+            raise ValueError("model: contains no MaskedBranch or ResidualDropPath, so no parameter can be found unused")
+        if process_group is None and ddp:
+            process_group = model.process_group
+        self._pruner = _Pruner(process_group, root)
+        self._optimizer = weakref.ref(optimizer)
+        self._handle = optimizer.register_step_pre_hook(self._before_step)
+        _explicit[optimizer] = self
 
-    def _current_layout(self) -> _Layout:
-        return self._layout.get(lambda: _Layout(self.model))
-
-    @staticmethod
-    def _device_for(process_group: Any) -> torch.device:
-        """Where the used bits live for ``process_group``'s backend."""
-        import torch.distributed as dist
-
-        backend = str(dist.get_backend(process_group)).lower()
-        if "gloo" in backend or "mpi" in backend or "nccl" not in backend:
-            return torch.device("cpu")
-        return torch.device("cuda", torch.cuda.current_device())  # NCCL reduces device tensors only
-
-    def _launch(self, async_op: bool) -> None:
-        """Take (and reset) the bits recorded so far and start reducing them across ranks."""
-        layout = self._current_layout()
-        flags = layout.take_bits()
-        work = None
-        if self.process_group is not None:
-            import torch.distributed as dist
-
-            device = self._bits_device
-            if device.type == "cuda":
-                # pinned and non-blocking: no host wait at the end of the forward (the copy
-                # queues behind the forward's kernels); `flags` is read back at the step
-                flags = flags.pin_memory().to(device, non_blocking=True)
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group, async_op=async_op)
-        self._pending.append((layout, work, flags))
-        if len(self._pending) > _MAX_PENDING:
-            # Many forwards without a step (evaluation with autograd on, say): keep one entry.
-            used = self._wait_pending(layout)
-            if used is None:  # stale: keep it so, nothing is pruned at the next step
-                self._pending.append((None, None, None))
-            else:
-                self._pending.append((layout, None, torch.frombuffer(bytearray(used), dtype=torch.uint8)))
-
-    def _wait_pending(self, layout: _Layout) -> Optional[bytes]:
-        """Wait for the pending reductions and OR them (None when one came from another layout);
-        clears them."""
-        used: Optional[bytes] = None
-        stale = False
-        for launched, work, flags in self._pending:
-            if work is not None:
-                work.wait()
-            if launched is not layout:
-                stale = True
-            elif not stale:
-                got = bytes(flags.tolist())
-                used = got if used is None else bytes(map(max, used, got))
-        self._pending.clear()
-        return None if stale else used
-
-    def _after_ddp_forward(self, ddp, args, output) -> None:
-        # Only forwards whose backward synchronizes: every rank runs them, in the same order.
-        if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
-            self._launch(async_op=True)
-
-    def _used_bytes(self) -> Optional[bytes]:
-        """One byte per unit of the current layout, '1' where the unit ran on some rank since the
-        last step (waits for the reductions launched after forwards, or runs one now). None when
-        the module structure changed in between (nothing is pruned then)."""
-        if not self._pending:
-            self._launch(async_op=False)
-        return self._wait_pending(self._current_layout())
+    @property
+    def last_pruned(self) -> int:
+        return self._pruner.last_pruned
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        used = self._used_bytes()
-        # one C++ call clears the gradients (and counts those that were set)
-        self.last_pruned = _C.grads_to_none(self._current_layout().unused_params(used)) if used is not None else 0
+        if dist.is_available() and dist.is_initialized():
+            self._pruner.run(optimizer, self.modules)
+        else:  # one process: the bits alone say what ran
+            layout = self._pruner.layout(optimizer, self.modules, self._pruner.root)
+            self._pruner.last_pruned = layout.prune(bytes(layout.take_bits().tolist()))
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+        self._handle.remove()
+        optimizer = self._optimizer()
+        if optimizer is not None and _explicit.get(optimizer) is self:
+            del _explicit[optimizer]
 
 
 def unused_grads_to_none(
     optimizer: torch.optim.Optimizer, model: nn.Module, process_group: Optional[Any] = None
 ) -> UnusedGradsToNone:
     """Before every ``optimizer.step()``, set to ``None`` the gradient of each parameter that
-    belongs only to ``MaskedBranch`` / ``ResidualDropPath`` branches that ran on no rank since the
-    previous step, so that the optimizer skips it (no momentum, moment or weight-decay update, no
-    time spent), exactly as with if/else routing and ``find_unused_parameters=True``.
+    belongs only to ``MaskedBranch`` / ``ResidualDropPath`` branches of ``model`` that ran on no
+    rank since the previous step, so that the optimizer skips it, exactly as with if/else routing
+    and ``find_unused_parameters=True``.
 
-    Args:
-        optimizer: the optimizer to hook (``register_step_pre_hook``).
-        model: the model, or its ``DistributedDataParallel`` wrapper.
-        process_group: where the used bits are all-reduced; default: the DDP wrapper's group,
-            else the default group when ``torch.distributed`` is initialized, else none (one
-            process). A gloo group reduces a host tensor (no device sync); NCCL reduces a device
-            tensor and the hook reads it back (one small sync before the step).
-
-    With a DDP wrapper, the used bits are all-reduced asynchronously after each forward that
-    synchronizes gradients (overlapping the backward). Otherwise every rank must step the
-    optimizer the same number of times (the step hook runs the collective), as data-parallel
-    training does. A step GradScaler skips (inf found) does not run the hook, so its bits count
-    towards the next step.
-    Calls under ``torch.no_grad()`` do not count as use. Parameters shared with a module outside
-    the branches are never pruned; a parameter shared by branches is pruned only when all of
-    them went unused. The result equals ``find_unused_parameters=True`` when gradients are
-    zeroed with ``set_to_none=True`` (the default of ``zero_grad``).
-
-    Returns a handle whose ``remove()`` detaches the hook.
+    Distributed jobs do this by default for modules with ``materialize_grads=None``; call this
+    to do it for modules with an explicit setting, for one process, or with another
+    ``process_group`` (default: the DDP wrapper's group, else the default group). Parameters
+    shared with a module outside the branches are never pruned; a parameter shared by branches is
+    pruned only when all of them went unused. Calls under ``torch.no_grad()`` do not count as use.
     """
     return UnusedGradsToNone(optimizer, model, process_group)

@@ -19,15 +19,15 @@ def _site_dirs():
 
 def pytest_collection_finish(session):
     import maskedbranch
-    import maskedbranch._C as C
 
+    with_cuda = int(maskedbranch.WITH_CUDA)
     where = os.path.realpath(os.path.dirname(maskedbranch.__file__))
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    line = f"maskedbranch from {where} (_C.WITH_CUDA={C.WITH_CUDA})"
+    line = f"maskedbranch from {where} (WITH_CUDA={with_cuda})"
     if reporter is not None:
         reporter.write_line(line)
     if os.path.dirname(where) not in _site_dirs():
         pytest.exit(f"{line}: not the installed build (expected it under {sorted(_site_dirs())})", returncode=3)
     want = os.environ.get("MASKEDBRANCH_EXPECT_WITH_CUDA")
-    if want is not None and int(want) != C.WITH_CUDA:
+    if want is not None and int(want) != with_cuda:
         pytest.exit(f"{line}: expected WITH_CUDA={want}", returncode=3)

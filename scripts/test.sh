@@ -112,12 +112,12 @@ show_install() {
   local venv=$1 want=$2
   (cd / && "$venv/bin/python" - "$want" <<'EOF'
 import os, sys, sysconfig
-import torch, maskedbranch, maskedbranch._C as C
+import glob, torch, maskedbranch
 want = int(sys.argv[1])
 print(f"-- maskedbranch.__file__ = {maskedbranch.__file__}")
-print(f"-- maskedbranch._C = {C.__file__}")
-print(f"-- maskedbranch._C.WITH_CUDA = {C.WITH_CUDA} (expected {want})")
-sys.exit(0 if C.WITH_CUDA == want else 1)
+print(f"-- library: {glob.glob(os.path.join(os.path.dirname(maskedbranch.__file__), '_C*.so'))}")
+print(f"-- maskedbranch.WITH_CUDA = {maskedbranch.WITH_CUDA} (expected {want})")
+sys.exit(0 if int(maskedbranch.WITH_CUDA) == want else 1)
 EOF
   )
 }
@@ -205,7 +205,7 @@ part_a() {
   note "build took $((SECONDS - t0)) s"
   show_install "$VENV_CUDA" 1 || return 1
   local so
-  so=$(cd / && "$VENV_CUDA/bin/python" -c 'import maskedbranch._C as C; print(C.__file__)') || return 1
+  so=$(cd / && "$VENV_CUDA/bin/python" -c 'import glob, os, maskedbranch; print(glob.glob(os.path.join(os.path.dirname(maskedbranch.__file__), "_C*.so"))[0])') || return 1
   check_device_code "$VENV_CUDA" "$so" || return 1
   run_pytest "$VENV_CUDA" 1 tests
 }

@@ -29,7 +29,7 @@ inline void check_positions(const int64_t* row_branch, const int64_t* row_pos, i
                             const std::vector<int64_t>& starts) {
   const int64_t num_branches = static_cast<int64_t>(starts.size()) - 1;
   for (int64_t e = 0; e < num_entries; ++e) {
-    const int64_t i = row_branch ? row_branch[e] : 0;
+    const int64_t i = row_branch[e];
     TORCH_CHECK_INDEX(i >= 0 && i < num_branches, "row_branch: entry ", e, " = ", i,
                       " is out of range [0, ", num_branches, ")");
     TORCH_CHECK_INDEX(row_pos[e] >= starts[i] && row_pos[e] < starts[i + 1], "row_pos: entry ", e,

@@ -16,35 +16,35 @@ inline int64_t row_grain(int64_t row_numel) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_numel));
 }
 
-// out[p] = w_p * src[rows[p]] for p in [0, M). Without weights w_p = 1 (a plain copy);
-// with weights [B, N], w_p = weights[rows[p], i] where p lies in branch i's slice
-// [starts[i], starts[i + 1]).
+// Packed entry p (branch i's slice [starts[i], starts[i + 1])) goes to row p - starts[i] of
+// outs[i]: outs[i][k] = w * src[rows[p]]. Without weights w = 1 (a plain copy); with weights
+// [B, N], w = weights[rows[p], i].
 template <typename scalar_t>
-void gather_rows(scalar_t* out, const scalar_t* src, const int64_t* rows, int64_t num_entries,
-                 int64_t row_numel, const at::opmath_type<scalar_t>* weights,
-                 const std::vector<int64_t>& starts) {
+void gather_rows(const std::vector<scalar_t*>& outs, const scalar_t* src, const int64_t* rows,
+                 const std::vector<int64_t>& starts, int64_t row_numel, const at::opmath_type<scalar_t>* weights) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t num_branches = static_cast<int64_t>(starts.size()) - 1;
+  const int64_t num_entries = starts.back();
   at::parallel_for(0, num_entries, row_grain(row_numel), [&](int64_t begin, int64_t end) {
     int64_t branch = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
     for (int64_t p = begin; p < end; ++p) {
+      while (p >= starts[branch + 1]) ++branch;
       const scalar_t* in = src + rows[p] * row_numel;
-      scalar_t* o = out + p * row_numel;
+      scalar_t* o = outs[branch] + (p - starts[branch]) * row_numel;
       if (weights == nullptr) {
         std::memcpy(o, in, row_numel * sizeof(scalar_t));
         continue;
       }
-      while (p >= starts[branch + 1]) ++branch;
       const opmath_t w = weights[rows[p] * num_branches + branch];
       for (int64_t j = 0; j < row_numel; ++j) o[j] = static_cast<scalar_t>(w * static_cast<opmath_t>(in[j]));
     }
   });
 }
 
-// The segmented sum that combine and gather's backward share:
+// combine's segmented sum:
 //   out[b] = base[b] + sum over e in [row_offsets[b], row_offsets[b+1]) of w_e * src_e
-// where entry e reads row (row_pos[e] - starts[i]) of sources[i], i = row_branch[e] (or 0
-// without row_branch), and w_e = weights[b, i] (or 1). Sums run in opmath precision and
+// where entry e reads row (row_pos[e] - starts[i]) of sources[i], i = row_branch[e], and
+// w_e = weights[b, i] (or 1). Sums run in opmath precision and
 // are rounded once.
 template <typename scalar_t>
 void segment_sum_rows(scalar_t* out, const scalar_t* base, const std::vector<const scalar_t*>& sources,
@@ -65,7 +65,7 @@ void segment_sum_rows(scalar_t* out, const scalar_t* base, const std::vector<con
         std::fill(acc, acc + row_numel, opmath_t(0));
       }
       for (int64_t e = row_offsets[b]; e < row_offsets[b + 1]; ++e) {
-        const int64_t i = row_branch ? row_branch[e] : 0;
+        const int64_t i = row_branch[e];
         const scalar_t* in = sources[i] + (row_pos[e] - starts[i]) * row_numel;
         if (weights == nullptr) {
           for (int64_t j = 0; j < row_numel; ++j) acc[j] += static_cast<opmath_t>(in[j]);

@@ -1,0 +1,178 @@
+"""Autograd for the routing ops, as ``torch.autograd.Function`` subclasses (public API only).
+
+Why Python Functions (docs/design.md, "Autograd"): they work under torch.compile, compiled
+autograd and torch.func, where C++ autograd Functions fail under torch.func; and
+``torch.library.register_autograd`` added about 85 us per call (measured). Each Function is
+written once in the ``setup_context`` form that torch.func needs; :func:`_two_forms` derives the
+classic form from it, which eager mode uses because it costs about 40 us less per call (see
+maskedbranch/_compat.py). Both forms run the same code.
+
+* :class:`Gather`: ``x -> (x[rows of branch 0], ..., x[rows of branch N-1])``; backward: combine.
+* :class:`Combine`: ``(base, weights, ys) -> base + sum_i w_i * scatter(y_i)``; backward: gather
+  (and the weights' gradient). Parameters passed after ``ys`` are *tied* into the graph.
+* :class:`Tie`: a copy of ``x`` with further tensors tied into the graph.
+
+Tied tensors (the parameters of branches that did not run) receive an undefined gradient, or
+zeros when ``zeros`` is set (docs/design.md, "Dead parameters").
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+from . import _compat
+from ._ops import ops
+
+
+def _two_forms(cls):
+    """Give a ``setup_context``-form Function an ``apply`` that picks the classic form in eager
+    mode and the torch.func form under torch.func transforms and torch.compile."""
+
+    class Classic(Function):
+        @staticmethod
+        def forward(ctx, *args):
+            out = cls.forward(*args)
+            cls.setup_context(ctx, args, out)
+            return out
+
+        backward = staticmethod(cls.backward)
+
+    Classic.__name__ = Classic.__qualname__ = cls.__name__ + "Classic"
+    cls.classic = Classic
+
+    def apply(*args):
+        if torch.compiler.is_compiling() or _compat.functorch_active():
+            return cls.apply(*args)
+        return Classic.apply(*args)
+
+    cls.route = staticmethod(apply)
+    return cls
+
+
+def _tied_grads(ctx, first: int, tied: Sequence[Tuple[torch.Size, torch.dtype, torch.device]]) -> List[Optional[Tensor]]:
+    """The gradients of the tied tensors (inputs ``first``, ``first + 1``, ...)."""
+    if not ctx.zeros:
+        return [None] * len(tied)
+    needs = ctx.needs_input_grad
+    return [
+        torch.zeros(shape, dtype=dtype, device=device) if needs[first + k] else None
+        for k, (shape, dtype, device) in enumerate(tied)
+    ]
+
+
+def _meta(tensors: Sequence[Tensor]) -> List[Tuple[torch.Size, torch.dtype, torch.device]]:
+    return [(t.shape, t.dtype, t.device) for t in tensors]
+
+
+@_two_forms
+class Gather(Function):
+    """``apply(x, rows, row_offsets, row_branch, row_pos, counts)`` -> one tensor per branch."""
+
+    @staticmethod
+    def forward(x, rows, row_offsets, row_branch, row_pos, counts):
+        return tuple(ops.gather(x, rows, None, counts))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, rows, row_offsets, row_branch, row_pos, counts = inputs
+        ctx.save_for_backward(row_offsets, row_branch, row_pos)
+        ctx.counts = counts
+        ctx.row_meta = (x.shape[1:], x.dtype, x.device)  # metadata only: no reference cycle
+
+    @staticmethod
+    def backward(ctx, *grads):
+        row_offsets, row_branch, row_pos = ctx.saved_tensors
+        trailing, dtype, device = ctx.row_meta
+        grads = [
+            g if g is not None else torch.zeros((c, *trailing), dtype=dtype, device=device)
+            for g, c in zip(grads, ctx.counts)
+        ]
+        grad_x = ops.combine(None, grads, None, row_offsets, row_branch, row_pos)
+        return grad_x, None, None, None, None, None
+
+
+@_two_forms
+class Combine(Function):
+    """``apply(base, weights, rows, row_offsets, row_branch, row_pos, num_ys, zeros, *ys, *tied)``
+    -> ``base + sum_i weights[:, i] * scatter(ys[i])``."""
+
+    @staticmethod
+    def forward(base, weights, rows, row_offsets, row_branch, row_pos, num_ys, zeros, *tensors):
+        ys = list(tensors[:num_ys])
+        return ops.combine(base, ys, None if weights is None else weights.detach(), row_offsets, row_branch, row_pos)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        base, weights, rows, row_offsets, row_branch, row_pos, num_ys, zeros, *tensors = inputs
+        ys, tied = tensors[:num_ys], tensors[num_ys:]
+        ctx.num_ys, ctx.zeros, ctx.tied = num_ys, zeros, _meta(tied)
+        ctx.counts = [y.shape[0] for y in ys]
+        ctx.has_weights = weights is not None
+        ctx.weights_dtype = None if weights is None else weights.dtype
+        # ys are needed only for the weights' gradient: don't keep them alive otherwise.
+        keep_ys = weights is not None and weights.requires_grad
+        ctx.save_for_backward(weights, rows, row_offsets, row_branch, row_pos, *(ys if keep_ys else ()))
+
+    @staticmethod
+    def backward(ctx, grad):
+        weights, rows, row_offsets, row_branch, row_pos, *ys = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        first_y = 8
+        grad_base = grad if needs[0] else None
+        grad_ys: List[Optional[Tensor]] = [None] * ctx.num_ys
+        if any(needs[first_y : first_y + ctx.num_ys]):
+            w = None if weights is None else weights.detach()
+            grad_ys = list(ops.gather(grad, rows, w, ctx.counts))
+        grad_weights = None
+        if ctx.has_weights and needs[1]:
+            grad_weights = ops.combine_weights_backward(grad, ys, row_offsets, row_branch, row_pos)
+            grad_weights = grad_weights.to(ctx.weights_dtype)
+        tied = _tied_grads(ctx, first_y + ctx.num_ys, ctx.tied)
+        return (grad_base, grad_weights, None, None, None, None, None, None, *grad_ys, *tied)
+
+
+@_two_forms
+class Tie(Function):
+    """``apply(x, zeros, *tied)`` -> a copy of ``x`` (same layout) whose backward also reaches
+    ``tied``. A copy rather than a view, so that the caller may modify it in place."""
+
+    @staticmethod
+    def forward(x, zeros, *tied):
+        return x.clone(memory_format=torch.preserve_format)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, zeros, *tied = inputs
+        ctx.zeros, ctx.tied = zeros, _meta(tied)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, None, *_tied_grads(ctx, 2, ctx.tied))
+
+
+# ----------------------------------------------------------------------------------------------
+# Differentiable calls with the plan as one object.
+
+
+def gather(x: Tensor, plan) -> List[Tensor]:
+    return list(Gather.route(x, plan.rows, plan.row_offsets, plan.row_branch, plan.row_pos, plan.counts))
+
+
+def combine(
+    ys: Sequence[Tensor],
+    plan,
+    weights: Optional[Tensor] = None,
+    base: Optional[Tensor] = None,
+    tied: Sequence[Tensor] = (),
+    zeros: bool = False,
+) -> Tensor:
+    return Combine.route(
+        base, weights, plan.rows, plan.row_offsets, plan.row_branch, plan.row_pos, len(ys), zeros, *ys, *tied
+    )
+
+
+def tie(x: Tensor, tied: Sequence[Tensor], zeros: bool = False) -> Tensor:
+    return Tie.route(x, zeros, *tied)

@@ -1,0 +1,318 @@
+"""The one routing path that every module shares (MaskedBranch, masked_branch, ResidualDropPath,
+drop_add_residual and the integrations):
+
+    gate -> plan -> gather each branch's rows -> run the live branches -> combine -> tie the
+    parameters of the branches that did not run
+
+:func:`route` computes ``out[b] = base[b] + scale * sum_i g[b, i] * branch_i(x[b], ...)`` with
+each branch fed only its rows. Argument checks name the argument and leave the caller's module
+untouched; see docs/design.md for the semantics.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _autograd, _ops
+from ._args import check_per_row_devices, is_per_row, route_args
+from ._structure import Branches
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks.
+
+
+def check_x(x: Any, name: str = "x") -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError(f"{name}: expected at least one dimension (rows first), got a 0-d tensor")
+    return x
+
+
+def normalize_gate(gate: Any, x: Tensor, n: int) -> Tuple[str, Any]:
+    """("int", k) for a whole-batch branch id (-1: none), else ("tensor", gate), after checking
+    type, rank, shape, dtype and device."""
+    if type(gate) is int and -1 <= gate < n:
+        return "int", gate
+    if isinstance(gate, bool):
+        raise TypeError(f"gate: got a bool; pass an int branch id, an integer tensor [B] of ids or a bool tensor [B, {n}]")
+    if not isinstance(gate, Tensor):
+        try:
+            k = operator.index(gate)  # numpy integers too
+        except TypeError:
+            raise TypeError(
+                f"gate: expected an int branch id, an integer tensor [B] of branch ids or a bool/"
+                f"floating tensor [B, {n}], got {type(gate).__name__}"
+            ) from None
+        if not -1 <= k < n:
+            raise IndexError(f"gate: branch id {k} is out of range; expected -1 (no branch) to {n - 1}")
+        return "int", k
+    batch = x.shape[0]
+    if gate.is_complex():
+        raise TypeError(f"gate: complex gates are not supported, got dtype {gate.dtype}")
+    if gate.device.type != "cpu" and gate.device != x.device:
+        raise ValueError(
+            f"gate: a device gate must live on x's device ({x.device}), got one on {gate.device}; "
+            "a CPU gate works with any x (its plan is built on the host and shipped asynchronously)"
+        )
+    if gate.dim() == 0:
+        if gate.dtype not in _INT_DTYPES:
+            raise TypeError(f"gate: a 0-d gate must be an integer branch id, got dtype {gate.dtype}")
+        if gate.device.type == "cpu":
+            return normalize_gate(int(gate), x, n)
+        return "tensor", gate.expand(batch)  # a device scalar: read back once by the plan
+    if gate.dim() == 1:
+        if gate.dtype not in _INT_DTYPES:
+            hint = f"; for a mask use shape [B, {n}]" if gate.dtype == torch.bool else ""
+            raise TypeError(f"gate: a 1-D gate holds one integer branch id per row (-1 = no branch), got dtype {gate.dtype}{hint}")
+        if gate.shape[0] != batch:
+            raise ValueError(f"gate: expected {batch} branch ids (one per row of x), got shape {tuple(gate.shape)}")
+        return "tensor", gate
+    if gate.dim() == 2:
+        if tuple(gate.shape) != (batch, n):
+            raise ValueError(f"gate: expected shape [{batch}, {n}] (rows of x, branches), got {tuple(gate.shape)}")
+        if gate.dtype != torch.bool and gate.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"gate: a 2-D gate must be bool (a mask) or floating (weights), got dtype {gate.dtype}")
+        return "tensor", gate
+    raise ValueError(f"gate: expected an int, branch ids [B] or a mask/weights [B, {n}], got shape {tuple(gate.shape)}")
+
+
+def check_output(y: Any, label: str, rows: int) -> Tensor:
+    if not isinstance(y, Tensor):
+        raise TypeError(f"{label}: expected the branch to return a tensor, got {type(y).__name__}")
+    if y.dim() < 1 or y.shape[0] != rows:
+        raise ValueError(
+            f"{label}: the branch was given {rows} rows and returned shape {tuple(y.shape)}; a branch "
+            "must return one row per input row"
+        )
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# Output signatures: the trailing shape and dtype of an output where no row reaches any branch,
+# and a check that branches agree.
+
+
+def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    try:
+        return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    except (RuntimeError, TypeError, ValueError):  # a device type without autocast
+        return None
+
+
+def _input_key(x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> tuple:
+    def sig(a: Any) -> Any:
+        if isinstance(a, Tensor):
+            return (tuple(a.shape[1:]) if is_per_row(a, x.shape[0]) else tuple(a.shape), a.dtype)
+        return a if a is None or isinstance(a, (bool, int, float, str)) else type(a)
+
+    key: tuple = (tuple(x.shape[1:]), x.dtype, _autocast_dtype(x.device))
+    if args or kwargs:
+        key += tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in kwargs.items())
+    return key
+
+
+class Signatures:
+    """Input signature -> (trailing shape, dtype, branch that produced it), learned from calls
+    (bounded: inputs of ever-changing shapes would grow it without limit)."""
+
+    def __init__(self, size: int = 32):
+        self.size = size
+        self.table: Dict[tuple, Tuple[tuple, torch.dtype, int]] = {}
+
+    def learn(self, key: tuple, y: Tensor, branch: int, label: str) -> None:
+        known = self.table.get(key)
+        if known is None:
+            if len(self.table) >= self.size:
+                self.table.pop(next(iter(self.table)))
+            self.table[key] = (tuple(y.shape[1:]), y.dtype, branch)
+        elif (known[0], known[1]) != (tuple(y.shape[1:]), y.dtype) and known[2] != branch:
+            raise _mismatch(label, y, f"{label.split('[')[0]}[{known[2]}] (in an earlier call with inputs like these)", known)
+
+
+def _mismatch(label: str, y: Tensor, other: str, ref: Tuple[tuple, torch.dtype, Any]) -> ValueError:
+    return ValueError(
+        f"{label} returns rows of shape {list(y.shape[1:])} and dtype {y.dtype}, {other} rows of shape "
+        f"{list(ref[0])} and dtype {ref[1]}; every branch must return the same trailing shape and dtype"
+    )
+
+
+def _probe(branch: Callable, x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[tuple, torch.dtype]]:
+    """(trailing shape, dtype) of ``branch``'s output on meta tensors: no compute, no effect on
+    parameters, buffers or random state. None when the branch cannot run on meta tensors."""
+    def meta(a: Any) -> Any:
+        return a.to("meta") if isinstance(a, Tensor) else a
+
+    try:
+        with torch.no_grad():
+            if isinstance(branch, torch.nn.Module):
+                state = {k: meta(v) for k, v in branch.named_parameters(remove_duplicate=False)}
+                state.update({k: meta(v) for k, v in branch.named_buffers(remove_duplicate=False)})
+                y = torch.func.functional_call(branch, state, (meta(x), *map(meta, args)), {k: meta(v) for k, v in kwargs.items()}, strict=False)
+            else:
+                y = branch(meta(x), *map(meta, args), **{k: meta(v) for k, v in kwargs.items()})
+    except Exception:  # noqa: BLE001 - any failure means "unknown"
+        return None
+    if not isinstance(y, Tensor) or y.dim() < 1:
+        return None
+    dtype = _autocast_dtype(x.device) if y.dtype != x.dtype and _autocast_dtype(x.device) else y.dtype
+    return tuple(y.shape[1:]), dtype
+
+
+def _dead_output_signature(
+    table: Branches, signatures: Optional[Signatures], x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any], where: str
+) -> Tuple[tuple, torch.dtype]:
+    known = signatures.table.get(_input_key(x, args, kwargs)) if signatures is not None else None
+    if known is not None:
+        return known[0], known[1]
+    for branch in table.branches:
+        sig = _probe(branch, x, args, kwargs)
+        if sig is not None:
+            return sig
+    raise RuntimeError(
+        f"{where}: no row reached any branch, and the output's trailing shape and dtype could not be "
+        "inferred (no earlier call with inputs like these, and no branch runs on meta tensors). Make "
+        "one call with at least one live row first."
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The routing path.
+
+
+def _rows_of(t: Tensor, plan: _ops.Plan) -> List[Tensor]:
+    """Each branch's rows of ``t`` (x or a per-row argument), each a tensor of its own."""
+    if t.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        return _autograd.gather(t, plan)
+    return list(t.index_select(0, plan.rows).split(plan.counts))  # ids, masks: no gradient
+
+
+def _tied(table: Branches, live_mask: int, zeros: Optional[bool], extra: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, ...]:
+    """The tensors to tie into the output: the dead branches' parameters that require grad."""
+    if zeros is None or not torch.is_grad_enabled():
+        return ()
+    return tuple(t for t in extra + table.tied(live_mask) if t.requires_grad)
+
+
+def _common_dtype(ys: Sequence[Tensor], base: Optional[Tensor]) -> torch.dtype:
+    dtype = ys[0].dtype
+    for t in list(ys[1:]) + ([base] if base is not None else []):
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def route(
+    table: Branches,
+    x: Tensor,
+    gate: Any,
+    args: Tuple[Any, ...] = (),
+    kwargs: Optional[Dict[str, Any]] = None,
+    *,
+    zeros: Optional[bool] = None,
+    base: Optional[Tensor] = None,
+    scale: float = 1.0,
+    signatures: Optional[Signatures] = None,
+    where: str = "branches",
+) -> Tuple[Tensor, int]:
+    """``base + scale * sum_i g[:, i] * branch_i(x, ...)``, and the bit mask of the branches
+    that ran. ``zeros`` (maskedbranch/_dead_grads.py): None leaves the parameters of branches
+    that did not run out of the graph, True ties them with zero gradients, False with undefined
+    ones."""
+    kwargs = kwargs or {}
+    n = len(table.branches)
+    kind, gate = normalize_gate(gate, x, n)
+    if args or kwargs:
+        check_per_row_devices(args, kwargs, x)
+    batch = x.shape[0]
+    if kind == "int":
+        if gate >= 0:
+            return _one_branch(table, x, gate, args, kwargs, zeros, base, scale, signatures, where), 1 << gate
+        return _no_branch(table, x, args, kwargs, zeros, base, signatures, where), 0
+
+    plan = _ops.make_plan(gate, n, device=x.device)  # host counts; a device gate reads back once
+    weights = gate if gate.dim() == 2 and gate.is_floating_point() else None
+    if weights is None and batch > 0 and plan.num_entries == batch and batch in plan.counts:
+        # Every row goes to one branch, in order: run it on x itself (no gather, no copy).
+        i = plan.counts.index(batch)
+        return _one_branch(table, x, i, args, kwargs, zeros, base, scale, signatures, where), 1 << i
+    if plan.num_entries == 0:
+        return _no_branch(table, x, args, kwargs, zeros, base, signatures, where), 0
+
+    xs = _rows_of(x, plan)
+    routed_args, routed_kwargs = route_args(args, kwargs, batch, lambda t: _Parts(_rows_of(t, plan)))
+    live: Dict[int, Tensor] = {}
+    for i, c in enumerate(plan.counts):
+        if c == 0:
+            continue  # the branch never sees a row
+        a = tuple(v.parts[i] if isinstance(v, _Parts) else v for v in routed_args)
+        kw = {k: v.parts[i] if isinstance(v, _Parts) else v for k, v in routed_kwargs.items()}
+        live[i] = check_output(table.branches[i](xs[i], *a, **kw), f"{where}[{i}]", c)
+    _check_agreement(live, x, args, kwargs, signatures, where)
+    first = next(iter(live.values()))
+    ys = [live[i] if i in live else first.new_empty((0, *first.shape[1:])) for i in range(n)]
+    if len({y.dtype for y in ys} | ({base.dtype} if base is not None else set())) > 1:
+        dtype = _common_dtype(ys, base)  # autocast: a low-precision branch on a float32 stream
+        ys = [y.to(dtype) for y in ys]
+        base = None if base is None else base.to(dtype)
+    if scale != 1.0:
+        dtype = torch.float64 if ys[0].dtype == torch.float64 else torch.float32
+        weights = torch.full((batch, 1), scale, dtype=dtype, device=x.device) if weights is None else weights * scale
+    elif weights is not None and weights.device != x.device:
+        weights = weights.to(x.device, non_blocking=True)
+    live_mask = sum(1 << i for i in live)
+    out = _autograd.combine(ys, plan, weights=weights, base=base, tied=_tied(table, live_mask, zeros), zeros=bool(zeros))
+    return out, live_mask
+
+
+class _Parts:
+    """A per-row argument split like x, one part per branch."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: List[Tensor]):
+        self.parts = parts
+
+
+def _check_agreement(live: Dict[int, Tensor], x, args, kwargs, signatures: Optional[Signatures], where: str) -> None:
+    items = iter(live.items())
+    i0, y0 = next(items)
+    for i, y in items:
+        if y.shape[1:] != y0.shape[1:] or y.dtype != y0.dtype:
+            raise _mismatch(f"{where}[{i}]", y, f"{where}[{i0}]", (tuple(y0.shape[1:]), y0.dtype, i0))
+    if signatures is not None:
+        signatures.learn(_input_key(x, args, kwargs), y0, i0, f"{where}[{i0}]")
+
+
+def _one_branch(table, x, k, args, kwargs, zeros, base, scale, signatures, where) -> Tensor:
+    """The whole batch through branch k, on x itself, then the tie (a copy, when any dead
+    parameter needs a gradient)."""
+    label = f"{where}[{k}]" if where == "branches" else where
+    y = check_output(table.branches[k](x, *args, **kwargs), label, x.shape[0])
+    if signatures is not None:
+        signatures.learn(_input_key(x, args, kwargs), y, k, label)
+    tied = _tied(table, 1 << k, zeros)
+    if base is not None:
+        if y.dtype != base.dtype:
+            dtype = torch.promote_types(y.dtype, base.dtype)
+            base, y = base.to(dtype), y.to(dtype)
+        y = torch.add(base, y, alpha=scale) if scale != 1.0 else base + y
+    elif scale != 1.0:
+        y = y * scale
+    return _autograd.tie(y, tied, bool(zeros)) if tied else y
+
+
+def _no_branch(table, x, args, kwargs, zeros, base, signatures, where) -> Tensor:
+    """No row reaches any branch: ``base`` (or zeros shaped like the branches' output), with x
+    and every parameter tied in, so that whatever produced x still gets its gradient."""
+    tied = _tied(table, 0, zeros, (x,) if base is None else ())
+    if base is not None:
+        return _autograd.tie(base, tied, bool(zeros)) if tied else base.clone()
+    trailing, dtype = _dead_output_signature(table, signatures, x, args, kwargs, where)
+    out = torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
+    return _autograd.tie(out, tied, bool(zeros)) if tied else out

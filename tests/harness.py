@@ -1,0 +1,100 @@
+"""Helpers shared by the test files (tests/conftest.py turns the common ones into fixtures).
+
+* ``DEVICES`` / ``DTYPES`` / ``TOL``: the parametrizations every op test uses; CUDA cases skip
+  without a GPU and a CUDA build.
+* ``random_gate``: the gate kinds of MaskedBranch, drawn from a generator.
+* ``run_ranks`` / ``results_of``: real multi-process jobs (spawned, gloo, as torchrun starts them).
+* ``conversions_replace_parameters``: ``.to()`` that replaces parameter objects.
+* ``rss``: resident memory of this process.
+"""
+import contextlib
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import maskedbranch as mb
+
+GPU = torch.cuda.is_available() and mb.WITH_CUDA
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not GPU, reason="needs a GPU and a CUDA build")]),
+]
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+# The kernels accumulate in float32 (float64 for float64) and round once; references built from
+# separate torch ops round at each step.
+TOL = {
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+GATE_KINDS = ["ids", "bool", "float"]
+
+
+def random_gate(kind: str, batch: int, n: int, gen: torch.Generator, dtype=torch.float32) -> torch.Tensor:
+    """ids: int64 [B] in -1..n-1; bool: [B, n] about half live; float: [B, n] weights, 40% zero."""
+    if kind == "ids":
+        return torch.randint(-1, n, (batch,), generator=gen)
+    if kind == "bool":
+        return torch.rand(batch, n, generator=gen) < 0.5
+    if kind == "float":
+        g = torch.rand(batch, n, generator=gen)
+        return torch.where(g < 0.4, torch.zeros_like(g), g).to(dtype)
+    raise ValueError(f"unknown gate kind {kind!r}")
+
+
+def run_ranks(worker, world: int, timeout_s: float, what: str = "the job"):
+    """Per-rank results of ``worker(rank, world, init_file, out_dir)`` run on ``world`` spawned
+    processes, each saving its result to ``out_dir/rank{rank}.pt``. Fails the test (and
+    terminates the processes) when they do not finish within ``timeout_s``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        ctx = mp.start_processes(worker, args=(world, init_file, tmp), nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=5):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{what} did not finish within {timeout_s} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def results_of(ranks, name: str):
+    """What every rank recorded for scenario ``name`` as ("ok", value) or ("error", traceback):
+    the values, after asserting that no rank failed."""
+    out = []
+    for r, res in enumerate(ranks):
+        status, value = res[name]
+        assert status == "ok", f"rank {r}, {name}:\n{value}"
+        out.append(value)
+    return out
+
+
+@contextlib.contextmanager
+def conversions_replace_parameters():
+    """Inside, ``.to()`` / ``.double()`` put new Parameter objects in place (as
+    ``torch.__future__.set_overwrite_module_params_on_conversion(True)`` makes them do) instead of
+    changing ``.data``; the previous setting is restored on exit."""
+    before = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(before)
+
+
+def rss() -> int:
+    """Resident set size of this process in bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
