@@ -87,6 +87,13 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
         self._register_load_state_dict_pre_hook(_load_old_layout)
         unused_grads.register(self)
 
+    def __getitem__(self, idx):
+        # A slice is a list of branches, as nn.ModuleList gives it, not a second router (which
+        # an empty slice could not even construct).
+        if isinstance(idx, slice):
+            return nn.ModuleList(list(self._modules.values())[idx])
+        return super().__getitem__(idx)
+
     # ModuleList edits that register nothing must still refresh the cached structure.
     def __delitem__(self, idx) -> None:
         super().__delitem__(idx)
