@@ -84,7 +84,7 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
         self._cache: Optional[_structure.Branches] = None
         self._signatures = _route.Signatures()
         self._usage = unused_grads.Usage()
-        self._register_load_state_dict_pre_hook(_load_old_layout)
+        self.register_load_state_dict_pre_hook(_load_old_layout)
         unused_grads.register(self)
 
     def __getitem__(self, idx):
@@ -162,7 +162,7 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
         unused_grads.register(self)
 
 
-def _load_old_layout(state_dict, prefix, *_args) -> None:
+def _load_old_layout(module, state_dict, prefix, *_args) -> None:
     """Checkpoints of maskedbranch < 0.2 stored the branches under ``branches.``: map them to the
     ModuleList layout (``prefix.0.weight``)."""
     old = prefix + "branches."
