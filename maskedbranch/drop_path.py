@@ -229,8 +229,11 @@ def _residual(
     """The output, and whether the branch ran."""
     if drop_prob == 0.0 or not training or isinstance(x, torch.fx.Proxy):
         # Nothing dropped, or symbolic tracing (which cannot follow data-dependent routing): the
-        # dense formula.
+        # dense formula. Under tracing shapes are unknown: the branch itself, without the check
+        # of its output's shape.
         branch = table.branches[0]
+        if isinstance(x, torch.fx.Proxy):
+            branch = branch.branch
         y = branch(x, *args, **kwargs)
         return x + drop_path(y, drop_prob, training, scale_by_keep, mode, generator), True
     keep_prob = 1.0 - float(drop_prob)
