@@ -141,6 +141,8 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
                         y = _autograd.tie(y, tied, zeros)
                 self._usage.record(1 << gate)
             return y
+        if _route.traced(x, gate):
+            return _route.route_traced(list(self._modules.values()), x, gate, args, kwargs)
         _route.check_x(x)
         table = self._branches()
         zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch")
@@ -176,6 +178,8 @@ def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any
     automatic gradient policy). Without a module to remember them, output signatures are not
     kept: a call where no row reaches any branch infers the output shape on meta tensors."""
     branch_list = _as_branch_list(branches, callables=True)
+    if _route.traced(x, gate):
+        return _route.route_traced(branch_list, x, gate, args, kwargs)
     _route.check_x(x)
     _structure.check_skippable(branch_list, "branches")
     zeros = _dead_grads.tie_policy(None, "masked_branch")
