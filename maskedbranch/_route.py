@@ -237,18 +237,21 @@ def route(
 
     plan = _ops.make_plan(gate, n, device=x.device)  # host counts; a device gate reads back once
     weights = gate if gate.dim() == 2 and gate.is_floating_point() else None
-    if weights is None and batch > 0 and plan.num_entries == batch and batch in plan.counts:
+    # torch.export traces with the counts unknown (symbolic): no shortcut can depend on them,
+    # and every branch runs on its rows, however many there turn out to be (none included).
+    known = type(plan.num_entries) is int
+    if known and weights is None and batch > 0 and plan.num_entries == batch and batch in plan.counts:
         # Every row goes to one branch, in order: run it on x itself (no gather, no copy).
         i = plan.counts.index(batch)
         return _one_branch(table, x, i, args, kwargs, zeros, base, scale, signatures, where), 1 << i
-    if plan.num_entries == 0:
+    if known and plan.num_entries == 0:
         return _no_branch(table, x, args, kwargs, zeros, base, signatures, where), 0
 
     xs = _rows_of(x, plan)
     routed_args, routed_kwargs = route_args(args, kwargs, batch, lambda t: _Parts(_rows_of(t, plan)))
     live: Dict[int, Tensor] = {}
     for i, c in enumerate(plan.counts):
-        if c == 0:
+        if known and c == 0:
             continue  # the branch never sees a row
         a = tuple(v.parts[i] if isinstance(v, _Parts) else v for v in routed_args)
         kw = {k: v.parts[i] if isinstance(v, _Parts) else v for k, v in routed_kwargs.items()}
