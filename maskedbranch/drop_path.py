@@ -137,7 +137,9 @@ class DropPath(nn.Module):
     repr and results) with torchvision's ``mode="batch"`` as well. ``generator``: an optional CPU
     ``torch.Generator`` the masks are drawn from.
 
-    Scripting (``torch.jit.script``) gives the same formula drawing from the default generator.
+    ``torch.jit.script`` compiles the module itself (as it compiles timm's): the same formula,
+    drawing from the default generator of x's device. Symbolic tracing (``torch.fx``) records
+    the formula's ops, as for timm's.
     """
 
     def __init__(
@@ -154,6 +156,8 @@ class DropPath(nn.Module):
         self.generator = _check_generator(generator)
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.jit.is_scripting():  # TorchScript compiles this branch alone
+            return _scriptable_drop_path(x, float(self.drop_prob), self.training, self.scale_by_keep, self.mode)
         return drop_path(x, self.drop_prob, self.training, self.scale_by_keep, self.mode, self.generator)
 
     def extra_repr(self) -> str:
@@ -161,31 +165,25 @@ class DropPath(nn.Module):
         return s if self.mode == "row" else s + f", mode={self.mode}"
 
     def __prepare_scriptable__(self) -> nn.Module:
-        return _ScriptableDropPath(float(self.drop_prob), bool(self.scale_by_keep), self.mode, self.training)
+        # The module scripts as it is (a replacement returned here would also take its place in
+        # the Python model). TorchScript types attributes by value: a numpy scalar has no type.
+        if not isinstance(self.drop_prob, (int, float)):
+            self.drop_prob = float(self.drop_prob)
+        return self
 
 
-class _ScriptableDropPath(nn.Module):
-    """What ``torch.jit.script`` compiles in place of :class:`DropPath`: the same formula, drawing
-    from the default generator of x's device."""
-
-    def __init__(self, drop_prob: float, scale_by_keep: bool, mode: str, training: bool):
-        super().__init__()
-        self.drop_prob = drop_prob
-        self.scale_by_keep = scale_by_keep
-        self.mode = mode
-        self.train(training)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.drop_prob == 0.0 or not self.training:
-            return x
-        keep_prob = 1.0 - self.drop_prob
-        shape = [1] * x.dim()
-        if self.mode == "row":
-            shape[0] = x.shape[0]
-        mask = x.new_empty(shape).bernoulli_(keep_prob)
-        if keep_prob > 0.0 and self.scale_by_keep:
-            mask.div_(keep_prob)
-        return x * mask
+def _scriptable_drop_path(x: Tensor, drop_prob: float, training: bool, scale_by_keep: bool, mode: str) -> Tensor:
+    """:func:`drop_path` as TorchScript compiles it: the same formula, from the default generator."""
+    if drop_prob == 0.0 or not training:
+        return x
+    keep_prob = 1.0 - drop_prob
+    shape = [1] * x.dim()
+    if mode == "row":
+        shape[0] = x.shape[0]
+    mask = x.new_empty(shape).bernoulli_(keep_prob)
+    if keep_prob > 0.0 and scale_by_keep:
+        mask.div_(keep_prob)
+    return x * mask
 
 
 # ----------------------------------------------------------------------------------------------
