@@ -75,6 +75,12 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
 
     When no row reaches any branch the output is zeros ``[B, *trailing]``, shaped as the branches
     returned for inputs like these before, or as a branch returns on meta tensors.
+
+    Graphs: ``torch.export.export`` keeps the routing (each branch runs on its rows, none
+    included). ``torch.fx.symbolic_trace`` cannot see which rows go where: it records a constant
+    int gate's branch, and for any other gate the dense formula ``sum_i g[:, i] * branch_i(x)``
+    (every branch on every row: the same output for branches that treat rows independently).
+    ``torch.jit.script`` is refused with a message (see ``__prepare_scriptable__``).
     """
 
     def __init__(self, branches: Iterable[nn.Module], *, materialize_grads: Optional[bool] = None):
@@ -152,6 +158,14 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
         if torch.is_grad_enabled():
             self._usage.record(live_mask)
         return out
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        raise RuntimeError(
+            "MaskedBranch: torch.jit.script cannot compile it (its forward takes a gate of several "
+            "kinds and extra arguments, and routes on the gate's values). For a graph of the model use "
+            "torch.export.export(model.eval(), args) or torch.compile(model); torch.fx.symbolic_trace "
+            "records the dense formula (every branch on every row)."
+        )
 
     def extra_repr(self) -> str:
         return "" if self.materialize_grads is None else f"materialize_grads={self.materialize_grads}"
