@@ -306,7 +306,11 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
 
     Branches that run collectives (``SyncBatchNorm``, DDP/FSDP units, DTensor parameters) cannot
     be skipped on one rank while the others run them; they are refused in training with
-    ``drop_prob > 0``. Symbolic tracing (``torch.fx``) and scripting give the dense formula.
+    ``drop_prob > 0``. Symbolic tracing (``torch.fx``) records the dense formula
+    ``x + drop_path(branch(x))`` (which rows are kept is data the trace cannot see).
+    ``torch.jit.script`` compiles that dense formula for ``forward(x)``; as for any module with
+    ``__prepare_scriptable__``, torch also puts the dense form in this module's place in the
+    Python model it was given, so script a ``copy.deepcopy`` of a model you keep training.
     """
 
     def __init__(
