@@ -128,7 +128,9 @@ def drop_path(
         mask = torch.empty(shape, dtype=x.dtype).bernoulli_(keep_prob, generator=generator)
         mask = mask.to(x.device, non_blocking=True)
     if keep_prob > 0.0 and scale_by_keep:
-        mask.div_(keep_prob)
+        # The result is used, so that a torch.fx graph keeps the division: dead-code
+        # elimination (create_feature_extractor runs it) drops an in-place op whose result is unused.
+        mask = mask.div_(keep_prob)
     return x * mask
 
 
@@ -182,7 +184,7 @@ def _scriptable_drop_path(x: Tensor, drop_prob: float, training: bool, scale_by_
         shape[0] = x.shape[0]
     mask = x.new_empty(shape).bernoulli_(keep_prob)
     if keep_prob > 0.0 and scale_by_keep:
-        mask.div_(keep_prob)
+        mask = mask.div_(keep_prob)
     return x * mask
 
 
