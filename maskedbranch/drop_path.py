@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _dead_grads, _route, _structure, unused_grads
+from ._args import check_per_row_devices
 
 __all__ = ["drop_path", "DropPath", "drop_add_residual", "ResidualDropPath"]
 
@@ -236,6 +237,8 @@ def _residual(
             branch = branch.branch
         y = branch(x, *args, **kwargs)
         return x + drop_path(y, drop_prob, training, scale_by_keep, mode, generator), True
+    if args or kwargs:  # before the draw: a refused call leaves the generator where it was
+        check_per_row_devices(args, kwargs, x)
     keep_prob = 1.0 - float(drop_prob)
     scale = _keep_scale(keep_prob, scale_by_keep, x.dtype)
     gate: Any
