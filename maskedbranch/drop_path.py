@@ -291,6 +291,8 @@ def drop_add_residual(
     generator = _check_generator(generator)
     if not callable(branch):
         raise TypeError(f"branch: expected a callable (a module or a function), got {type(branch).__name__}")
+    if training and p > 0 and isinstance(branch, nn.Module):
+        _structure.check_skippable([branch], "branch")  # the policy of every routing module
     table = _structure.Branches([_Checked(branch)], params=[_branch_params(branch, params)])
     return _residual(
         x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
