@@ -239,7 +239,7 @@ def route(
     weights = gate if gate.dim() == 2 and gate.is_floating_point() else None
     # torch.export traces with the counts unknown (symbolic): no shortcut can depend on them,
     # and every branch runs on its rows, however many there turn out to be (none included).
-    known = type(plan.num_entries) is int
+    known = type(plan.rows.shape[0]) is int  # (not a SymInt)
     if known and weights is None and batch > 0 and plan.num_entries == batch and batch in plan.counts:
         # Every row goes to one branch, in order: run it on x itself (no gather, no copy).
         i = plan.counts.index(batch)
