@@ -348,7 +348,9 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
     def _table(self) -> _structure.Branches:
         cache = self._cache
         if not _structure.current(cache):
-            cache = self._cache = _structure.Branches([_Checked(self.branch)], _structure.version(), [tuple(self.branch.parameters())])
+            cache = _structure.Branches([_Checked(self.branch)], _structure.version(), [tuple(self.branch.parameters())])
+            if not torch.compiler.is_compiling():  # torch.export (strict) refuses module mutation
+                self._cache = cache
         return cache
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:

@@ -117,7 +117,9 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
         cache = self._cache
         if not _structure.current(cache):
             _structure.check_skippable(list(self._modules.values()), "branches")
-            cache = self._cache = _structure.Branches(self._modules.values(), _structure.version())
+            cache = _structure.Branches(self._modules.values(), _structure.version())
+            if not torch.compiler.is_compiling():  # torch.export (strict) refuses module mutation
+                self._cache = cache
         return cache
 
     def _unit_modules(self) -> List[nn.Module]:
