@@ -76,8 +76,9 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
     When no row reaches any branch the output is zeros ``[B, *trailing]``, shaped as the branches
     returned for inputs like these before, or as a branch returns on meta tensors.
 
-    Graphs: ``torch.export.export`` keeps the routing (each branch runs on its rows, none
-    included). ``torch.fx.symbolic_trace`` cannot see which rows go where: it records a constant
+    Graphs: ``torch.export.export`` keeps the routing: an int gate's branch, or for a tensor
+    gate every branch on its rows, none included (non-strict export only, ``strict=False``;
+    not on torch 2.6, whose fake tensors cannot size the routed rows). ``torch.fx.symbolic_trace`` cannot see which rows go where: it records a constant
     int gate's branch, and for any other gate the dense formula ``sum_i g[:, i] * branch_i(x)``
     (every branch on every row: the same output for branches that treat rows independently).
     ``torch.jit.script`` is refused with a message (see ``__prepare_scriptable__``).
