@@ -67,6 +67,45 @@ class RandomLayerDrop(nn.Module):
         return x
 
 
+class Supernet(nn.Module):
+    """One of four choices per call, picked by the caller (random in a supernet job). With
+    ``plain=True`` the choices are an nn.ModuleList called as ``choices[i](x)`` (if/else)."""
+
+    def __init__(self, plain: bool = False) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        layers = [nn.Linear(4, 4) for _ in range(4)]
+        self.choices = nn.ModuleList(layers) if plain else maskedbranch.MaskedBranch(layers)
+        self.plain = plain
+
+    def forward(self, x: torch.Tensor, choice: int) -> torch.Tensor:
+        h = self.stem(x)
+        return self.choices[choice](h) if self.plain else self.choices(h, choice)
+
+
+class NotCalled(nn.Module):
+    """A MaskedBranch that the forward never calls (left over from a refactoring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.choices = maskedbranch.MaskedBranch([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class Bypassed(nn.Module):
+    """A MaskedBranch whose branches the forward calls directly, as the ModuleList it replaced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.choices = maskedbranch.MaskedBranch([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, choice: int) -> torch.Tensor:
+        return self.choices[choice](x)
+
+
 class Broken(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -105,6 +144,17 @@ def layer_drop():
 
 def broken():
     return Broken(), torch.randn(2, 4)
+
+
+def keyword_inputs():
+    """Per-rank inputs built with maskedbranch.doctor.Inputs and a keyword argument."""
+    from maskedbranch.doctor import Inputs
+
+    return Supernet(), lambda rank: Inputs(torch.randn(2, 4), choice=rank % 4)
+
+
+def not_called():
+    return NotCalled(), torch.randn(2, 4)
 
 
 def not_a_model():
