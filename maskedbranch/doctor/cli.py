@@ -51,15 +51,15 @@ Example, check.py:
         def forward(self, x, choice):
             return self.choices(self.stem(x), choice)
 
-    def factory():  # each rank draws its own choice, as in a supernet job
-        return Supernet(), lambda rank: Inputs(torch.randn(2, 8), choice=int(torch.randint(4, ())))
+    def factory():  # the choice that each rank samples (in a real job, at random): rank % 4
+        return Supernet(), lambda rank: Inputs(torch.randn(2, 8), choice=rank % 4)
 
 python -m maskedbranch.doctor check.py:factory --ranks 2
 
-exits with status 0 (safe) and lists the choices that neither rank drew as not sampled (not as
-unused). With nn.ModuleList in place of maskedbranch.MaskedBranch and self.choices[choice](...)
-in place of self.choices(..., choice), it exits with status 1: the two choices drawn are
-divergent, and the others are routing choices not sampled (plain Python routing), still not unused.
+exits with status 0 (safe) and lists choices 2 and 3, which neither rank drew, as not sampled (not
+as unused). With nn.ModuleList in place of maskedbranch.MaskedBranch and self.choices[choice](...)
+in place of self.choices(..., choice), it exits with status 1: choices 0 and 1 are divergent, and
+2 and 3 are routing choices not sampled (plain Python routing), still not unused.
 
 Exit status: 0 safe for DDP with find_unused_parameters=False, 1 some parameters would break it,
 2 usage error (the target cannot be imported, the factory raised or returned something else),
