@@ -69,14 +69,17 @@ class RandomLayerDrop(nn.Module):
 
 class Supernet(nn.Module):
     """One of four choices per call, picked by the caller (random in a supernet job). With
-    ``plain=True`` the choices are an nn.ModuleList called as ``choices[i](x)`` (if/else)."""
+    ``plain=True`` the choices are an nn.ModuleList called as ``choices[i](x)`` (if/else);
+    ``unused_head=True`` adds a layer that is never called."""
 
-    def __init__(self, plain: bool = False) -> None:
+    def __init__(self, plain: bool = False, unused_head: bool = False) -> None:
         super().__init__()
         self.stem = nn.Linear(4, 4)
         layers = [nn.Linear(4, 4) for _ in range(4)]
         self.choices = nn.ModuleList(layers) if plain else maskedbranch.MaskedBranch(layers)
         self.plain = plain
+        if unused_head:
+            self.head = nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor, choice: int) -> torch.Tensor:
         h = self.stem(x)
@@ -104,6 +107,40 @@ class Bypassed(nn.Module):
 
     def forward(self, x: torch.Tensor, choice: int) -> torch.Tensor:
         return self.choices[choice](x)
+
+
+class PartlyCalled(Supernet):
+    """Calls its MaskedBranch only when the choice is not negative."""
+
+    def forward(self, x: torch.Tensor, choice: int) -> torch.Tensor:
+        return super().forward(x, choice) if choice >= 0 else self.stem(x)
+
+
+class Nested(nn.Module):
+    """A Supernet (a MaskedBranch inside) as branch 1 of a MaskedBranch that always runs branch 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outer = maskedbranch.MaskedBranch([nn.Linear(4, 4), Supernet()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(x, 0)
+
+
+class ResidualStack(nn.Module):
+    """LayerDrop with ResidualDropPath (whole batch dropped or kept, if/else gradient semantics)."""
+
+    def __init__(self, depth: int, drop_prob: float) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            maskedbranch.ResidualDropPath(nn.Linear(4, 4), drop_prob, mode="batch", materialize_grads=None)
+            for _ in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
 
 
 class Broken(nn.Module):

@@ -1,10 +1,7 @@
-"""maskedbranch.doctor: the unused-parameter finder (library and command line)."""
+"""maskedbranch.doctor, the library: what breaks DDP, grouped by module, and what routing did
+(the command line: tests/test_doctor_cli.py)."""
 import dataclasses
 import os
-import shlex
-import subprocess
-import sys
-import textwrap
 from datetime import timedelta
 
 import pytest
@@ -16,16 +13,8 @@ import maskedbranch
 from maskedbranch import doctor
 from maskedbranch.doctor import Inputs, find_divergent_parameters, find_unused_parameters
 
+import doctor_fixtures as fx
 from harness import run_ranks
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:  # the factories module, also for the in-process command-line tests
-    sys.path.insert(0, HERE)
-
-import doctor_fixtures as fx  # noqa: E402
-
-# The folder that holds the maskedbranch under test, for the subprocesses' PYTHONPATH.
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(maskedbranch.__file__)))
 
 
 def reference_inputs():
@@ -310,6 +299,15 @@ def test_if_else_rewritten_with_masked_branch_is_safe():
     assert report.not_sampled == [] and "Verdict: safe" in str(report)
 
 
+def test_layer_drop_with_residual_drop_path_is_safe():
+    inputs = [(torch.randn(2, 4),)] * 4
+    assert not find_divergent_parameters(fx.RandomLayerDrop(depth=6), inputs, seed=1).safe
+    blocks = [maskedbranch.ResidualDropPath(nn.Linear(4, 4), drop_prob=0.5, mode="batch") for _ in range(6)]
+    report = find_divergent_parameters(nn.Sequential(*blocks), inputs, seed=1)
+    assert report.safe, str(report)
+    assert any("0" in p.ranks for p in report.parameters)  # dropped blocks: zero gradients (the default)
+
+
 def test_unsampled_masked_branch_choices_are_not_unused():
     report = find_divergent_parameters(fx.Supernet(), choice_inputs([0, 2, 0]))
     assert report.safe and report.unused == [] and report.divergent == []
@@ -323,12 +321,7 @@ def test_unsampled_masked_branch_choices_are_not_unused():
 
 
 def test_unused_parameters_outside_routing_are_told_apart():
-    class Net(fx.Supernet):
-        def __init__(self):
-            super().__init__()
-            self.head = nn.Linear(4, 2)  # never called
-
-    report = find_divergent_parameters(Net(), choice_inputs([0, 1]))
+    report = find_divergent_parameters(fx.Supernet(unused_head=True), choice_inputs([0, 1]))
     assert groups(report) == [
         ("choices.2", 2, "~~", "not sampled"), ("choices.3", 2, "~~", "not sampled"), ("head", 2, "--", "unused"),
     ]
@@ -354,20 +347,7 @@ def test_plain_routing_choices_are_not_called_unused():
 
 
 def test_residual_drop_path_not_sampled_with_its_probability():
-    class Deep(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(
-                maskedbranch.ResidualDropPath(nn.Linear(4, 4), drop_prob=0.75, mode="batch", materialize_grads=None)
-                for _ in range(8)
-            )
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return x
-
-    report = find_divergent_parameters(Deep(), [(torch.randn(3, 4),)] * 2, seed=0)
+    report = find_divergent_parameters(fx.ResidualStack(8, drop_prob=0.75), [(torch.randn(3, 4),)] * 2, seed=0)
     assert report.safe, str(report)
     dropped = [r.name for r in report.routing if not any(r.ran)]
     assert dropped  # each block is dropped on both ranks with probability 0.56: all 8 kept is 0.1%
@@ -396,11 +376,7 @@ def test_masked_branch_whose_branches_are_called_directly():
     ]
     assert "MaskedBranch choices is never called: its branches are called directly" in flat(report)
     # a routing module called on some ranks only
-    class Sometimes(fx.Supernet):
-        def forward(self, x, choice):
-            return super().forward(x, choice) if choice >= 0 else self.stem(x)
-
-    report = find_divergent_parameters(Sometimes(), choice_inputs([0, -1]))
+    report = find_divergent_parameters(fx.PartlyCalled(), choice_inputs([0, -1]))
     assert report.not_called == [] and groups(report)[:2] == [
         ("choices.0", 2, "+-", "divergent"), ("choices.1", 2, "~-", "divergent")
     ]
@@ -408,15 +384,7 @@ def test_masked_branch_whose_branches_are_called_directly():
 
 
 def test_nested_routing_module_in_an_unsampled_branch_is_not_flagged():
-    class Outer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.outer = maskedbranch.MaskedBranch([nn.Linear(4, 4), fx.Supernet()])
-
-        def forward(self, x):
-            return self.outer(x, 0)
-
-    report = find_divergent_parameters(Outer(), [(torch.randn(2, 4), )] * 2)
+    report = find_divergent_parameters(fx.Nested(), [(torch.randn(2, 4),)] * 2)
     assert report.safe and report.not_called == []
     assert groups(report) == [("outer.1", 10, "~~", "not sampled")]
     assert "MaskedBranch outer ran branch 0 of 2 in 2 calls" in flat(report)
@@ -432,11 +400,7 @@ def test_verdict_agrees_with_ddp():
         for r, seen in enumerate(ranks):
             assert seen[name] in ("ok", "raised"), f"rank {r}, {name}: {seen[name]}"
             assert (seen[name] == "ok") == report.safe, f"{name}: DDP {seen[name]} on rank {r}, doctor:\n{report}"
-    assert not find_divergent_parameters(_DDP_CASES["if_else"][0](), [(torch.ones(r + 1, 1),) for r in range(2)]).safe
-
-
-def _residual_net():
-    return nn.Sequential(*(maskedbranch.ResidualDropPath(nn.Linear(4, 4), 0.5, "batch", materialize_grads=None) for _ in range(3)))
+    assert set(ranks[0].values()) == {"ok", "raised"}
 
 
 _DDP_CASES = {  # name: (model factory, rank -> inputs); every rank draws the same parameters
@@ -446,7 +410,7 @@ _DDP_CASES = {  # name: (model factory, rank -> inputs); every rank draws the sa
     "masked_if_else": (fx.MaskedIfElse, lambda r: (torch.ones(r + 1, 1),)),
     "supernet": (fx.Supernet, lambda r: Inputs(torch.ones(2, 4), choice=r)),
     "plain_supernet": (lambda: fx.Supernet(plain=True), lambda r: Inputs(torch.ones(2, 4), choice=r)),
-    "residual_drop_path": (_residual_net, lambda r: (torch.ones(2, 4),)),
+    "residual_drop_path": (lambda: fx.ResidualStack(3, drop_prob=0.5), lambda r: (torch.ones(2, 4),)),
     "not_called": (fx.NotCalled, lambda r: (torch.ones(2, 4),)),
     "bypassed": (fx.Bypassed, lambda r: Inputs(torch.ones(2, 4), choice=r)),
 }
@@ -473,125 +437,3 @@ def _ddp_worker(rank, world, init_file, out_dir):
             seen[name] = "raised" if "Expected to have finished reduction" in str(e) else repr(e)
     torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
-
-
-def run_cli(*args, cwd=HERE):
-    """``python -m maskedbranch.doctor`` in a fresh process, importing the package under test."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([PACKAGE_ROOT, HERE]))
-    return subprocess.run([sys.executable, "-m", "maskedbranch.doctor", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
-def test_cli_runs_factories_that_use_inputs():
-    """``python -m maskedbranch.doctor mod:factory`` with a factory that builds its inputs with
-    maskedbranch.doctor.Inputs: the class the command line checks for, though it runs as __main__."""
-    run = run_cli("doctor_fixtures:keyword_inputs", "--ranks", "2")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "2 simulated ranks" in run.stdout and "Verdict: safe" in run.stdout
-    assert "choices.2" in run.stdout and "not sampled" in run.stdout
-    assert "Traceback" not in run.stdout + run.stderr and "RuntimeWarning" not in run.stderr  # runpy
-
-
-def test_the_example_in_the_help_works(capsys, tmp_path):
-    with pytest.raises(SystemExit):
-        doctor.main(["--help"])
-    help_text = capsys.readouterr().out
-    lines = help_text.splitlines()
-    start = lines.index("Example, check.py:") + 1
-    end = next(i for i in range(start + 1, len(lines)) if lines[i] and not lines[i].startswith("    "))
-    (tmp_path / "check.py").write_text(textwrap.dedent("\n".join(lines[start:end])))
-    command = shlex.split(lines[end])
-    assert command[:3] == ["python", "-m", "maskedbranch.doctor"]
-    said = " ".join(help_text.split())
-    assert "exits with status 0 (safe) and lists choices 2 and 3, which neither rank drew, as not sampled" in said
-    assert "status 1: choices 0 and 1 are divergent, and 2 and 3 are routing choices not sampled" in said
-    run = run_cli(*command[3:], cwd=tmp_path)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert [ln.split()[:4] for ln in run.stdout.splitlines() if "not sampled" in ln][:2] == [
-        ["choices.2", "2", "~~", "not"], ["choices.3", "2", "~~", "not"]]
-    assert "UNUSED" not in run.stdout
-    # The variant the help describes: nn.ModuleList and self.choices[choice](...)
-    code = (tmp_path / "check.py").read_text()
-    plain = code.replace("maskedbranch.MaskedBranch(", "nn.ModuleList(").replace(
-        "self.choices(self.stem(x), choice)", "self.choices[choice](self.stem(x))")
-    assert plain.count("nn.ModuleList(") == 1 and "self.choices[choice]" in plain
-    (tmp_path / "check_plain.py").write_text(plain)
-    code, out, _ = cli(capsys, f"{tmp_path / 'check_plain.py'}:factory", *command[4:])
-    rows = [ln.split()[:4] for ln in out.splitlines() if ln.startswith("  choices.")]
-    assert code == 1 and rows == [["choices.0", "2", "+-", "DIVERGENT:"], ["choices.1", "2", "-+", "DIVERGENT:"],
-                                  ["choices.2", "2", "--", "NOT"], ["choices.3", "2", "--", "NOT"]], out
-    assert out.count("NOT SAMPLED (plain Python routing)") == 2
-    assert "UNUSED" not in out
-
-
-def cli(capsys, *args):
-    code = doctor.main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_cli_usage_errors(capsys):
-    assert cli(capsys, "no_colon")[0] == 2
-    code, _, err = cli(capsys, "no_such_module_xyz:factory")
-    assert code == 2 and "cannot import 'no_such_module_xyz'" in err
-    code, _, err = cli(capsys, "doctor_fixtures:nope")
-    assert code == 2 and "no attribute 'nope'" in err
-    code, _, err = cli(capsys, "doctor_fixtures:reference", "--ranks", "3")
-    assert code == 2 and "--ranks 3 disagrees" in err
-    code, _, err = cli(capsys, "doctor_fixtures:IfElse")  # a model class, not a factory
-    assert code == 2 and "the factory returned IfElse" in err
-    with pytest.raises(SystemExit) as exc:
-        doctor.main(["doctor_fixtures:all_used", "--ranks", "0"])
-    assert exc.value.code == 2
-    with pytest.raises(SystemExit) as exc:
-        doctor.main(["--help"])
-    assert exc.value.code == 0
-    help_text = capsys.readouterr().out
-    assert "inputs_per_rank" in help_text and "make_inputs" in help_text and "Exit status" in help_text
-
-
-def test_cli_make_inputs_per_rank_and_file_targets(capsys, tmp_path):
-    code, out, _ = cli(capsys, "doctor_fixtures:unused_head", "--ranks", "3")
-    assert code == 1 and "extra" in out and "UNUSED on every rank" in out and "3 simulated ranks" in out
-    code, out, _ = cli(capsys, "doctor_fixtures:reference")
-    assert code == 1 and "DIVERGENT" in out and "layer1" in out
-    code, out, err = cli(capsys, "doctor_fixtures:not_a_model")
-    assert code == 2 and "the factory returned int" in err and out == ""
-    code, out, _ = cli(capsys, "doctor_fixtures:broken", "--ranks", "1")
-    assert code == 3 and "failed in the forward" in out
-    code, out, _ = cli(capsys, "doctor_fixtures:layer_drop", "--ranks", "1", "--eval")
-    assert code == 0 and "eval mode" in out
-    code, out, _ = cli(capsys, "doctor_fixtures:masked_reference")
-    assert code == 0 and "Verdict: safe" in out
-    code, out, _ = cli(capsys, "doctor_fixtures:not_called", "--ranks", "2")
-    assert code == 1 and "NOT CALLED" in out
-
-    script = tmp_path / "my_model.py"
-    script.write_text(textwrap.dedent(
-        """
-        import torch
-        from torch import nn
-
-        class Skip(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.a = nn.Linear(2, 2)
-                self.b = nn.Linear(2, 2)
-
-            def forward(self, x, use_b=False):
-                return self.b(x) if use_b else self.a(x)
-
-        def build():
-            from maskedbranch.doctor import Inputs
-            x = torch.randn(3, 2)
-            return {"model": Skip(), "inputs_per_rank": [Inputs(x), Inputs(x, use_b=True)]}
-        """
-    ))
-    code, out, _ = cli(capsys, f"{script}:build", "--all")
-    assert code == 1 and "2 simulated ranks" in out
-    assert "  a       2       +-     DIVERGENT: not in the graph on rank 1" in out
-    assert "  b       2       -+     DIVERGENT: not in the graph on rank 0" in out
