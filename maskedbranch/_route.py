@@ -287,7 +287,9 @@ def dense_weights(gate: Any, x: Tensor, n: int) -> Tensor:
     kind, gate = normalize_gate(gate, x, n)
     if kind == "int":
         w = x.new_zeros((x.shape[0], n))
-        return w.index_fill_(1, torch.tensor([gate]), 1) if gate >= 0 else w
+        if gate >= 0:
+            w[:, gate] = 1
+        return w
     if gate.dim() == 1:
         if gate.numel() and not bool(((gate >= -1) & (gate < n)).all()):
             raise IndexError(f"gate: branch ids must lie in -1 (no branch) to {n - 1}")
