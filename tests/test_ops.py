@@ -110,7 +110,7 @@ def test_gather_matches_reference(device, dtype, gen, trailing, weighted):
 @pytest.mark.parametrize("kind", GATE_KINDS)
 @pytest.mark.parametrize("n", [1, 3, 70])
 def test_combine_matches_reference(device, dtype, gen, kind, n):
-    """n = 70 sends the branch pointers through the device table."""
+    """n = 70 sends the branch pointers (combine's inputs, gather's outputs) through the device table."""
     batch, trailing = 41, (3, 8)
     gate = make_gate(kind if kind != "float" else "float32", batch, n, gen, device)
     offsets, rows, ro, rb, rp = ops.plan(gate, n)
@@ -121,6 +121,9 @@ def test_combine_matches_reference(device, dtype, gen, kind, n):
         got = ops.combine(b, ys, w, ro, rb, rp)
         assert got.dtype == dtype and got.shape == (batch, *trailing)
         torch.testing.assert_close(got, ref.combine(b, ys, w, ro, rb, rp), **TOL[dtype])
+    for got, want in zip(ops.gather(base, rows, weights, counts_of(offsets)),
+                         ref.gather(base, rows, weights, counts_of(offsets))):
+        assert torch.equal(got, want)
     # gather is combine's adjoint: <combine(ys), g> == sum_i <ys[i], gather(g)[i]>
     g = randn(batch, *trailing, gen=gen, dtype=torch.float64, device=device)
     ys64 = [y.double() for y in ys]
