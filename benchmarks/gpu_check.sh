@@ -3,14 +3,19 @@
 #   bash benchmarks/gpu_check.sh
 # 1. builds the extension in place (editable install, TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16)
 #    and checks that the CUDA kernels load (cuobjdump --list-elf when available);
-# 2. pytest -x -q tests/test_cuda_ops.py (on a failure, once more without -x for the full list);
-# 3. the effective bandwidth of each kernel against a plain copy (inline, a few seconds);
+# 2. the GPU cases of the op tests (pytest -m cuda tests/test_ops.py tests/test_ops_checks.py),
+#    first the checks of issue 17 by item, each its own step: (1) make_plan's devices, (2) hand-made
+#    plans stopped by device asserts (child processes), (3) CUDA graph capture, (4) the plan
+#    kernels against the reference at tile-crossing sizes; then all GPU cases (on a failure, once
+#    more without -x for the full list);
+# 3. the effective bandwidth of each kernel against a plain copy (inline, a few seconds), the
+#    plan kernels' included;
 # 4. side by side: the rest of the test suite, and compute-sanitizer memcheck and racecheck over
-#    the CUDA tests (when compute-sanitizer exists);
+#    the GPU op tests (when compute-sanitizer exists);
 # 5. the GPU benchmarks: `python -m benchmarks --quick --device cuda` when benchmarks/ is a package,
 #    else every benchmarks/bench_*.py with --device cuda (fewer repetitions than their default).
 # Every step runs under `timeout` and inside one overall time budget (GPU_CHECK_BUDGET_S,
-# default 360 s; the build alone is capped at GPU_CHECK_BUILD_S, default 300 s): a step that
+# default 480 s; the build alone is capped at GPU_CHECK_BUILD_S, default 300 s): a step that
 # would start after the budget is spent is skipped and listed so.
 # One failing step never stops the others. Logs and summary.txt go to $OUT (default
 # ./gpu_results). The exit status is 0; read summary.txt.
@@ -21,7 +26,7 @@ cd "$ROOT"
 OUT=${OUT:-$ROOT/gpu_results}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-BUDGET=${GPU_CHECK_BUDGET_S:-360}
+BUDGET=${GPU_CHECK_BUDGET_S:-480}
 START=$(date +%s)
 SUMMARY=$OUT/summary.txt
 : >"$SUMMARY"
@@ -105,15 +110,14 @@ step build "${GPU_CHECK_BUILD_S:-300}" build
 
 check_import() {
   "$PY" - <<'EOF' || return 1
-import glob, os, torch, maskedbranch as mb
+import os, torch, maskedbranch as mb
 print("maskedbranch from", os.path.dirname(mb.__file__), "WITH_CUDA =", mb.WITH_CUDA)
-from torch._C import _dispatch_has_kernel_for_dispatch_key as has
-for op in ["plan", "gather", "gather_backward", "combine", "combine_backward_ys", "combine_backward_weights", "drop_path_scale"]:
-    print(op, "CUDA kernel:", has("maskedbranch::" + op, "CUDA"))
+assert mb.WITH_CUDA
 x = torch.arange(12.0, device="cuda").view(6, 2)
 plan = mb.make_plan(torch.tensor([1, 0, -1, 1, 0, 0], device="cuda"), 2)
-print("gather:", mb.gather(x, plan).cpu().tolist())
-assert mb.WITH_CUDA
+parts = mb.gather(x, plan)
+print("gather:", [p.cpu().tolist() for p in parts])
+print("combine:", mb.combine(parts, plan).cpu().tolist())
 EOF
   local cuobjdump
   if cuobjdump=$(find_tool cuobjdump); then "$cuobjdump" --list-elf maskedbranch/_C*.so; fi
@@ -122,8 +126,18 @@ export -f check_import
 step import 60 check_import
 
 # ---------------------------------------------------------------------------------------------
-if ! step cuda_tests 180 "$PY" -m pytest -x -q -p no:cacheprovider --durations=15 tests/test_cuda_ops.py; then
-  step cuda_tests_all 150 "$PY" -m pytest -q -p no:cacheprovider -rf tests/test_cuda_ops.py
+# The GPU cases of the op tests (the `cuda` mark: the device fixture's CUDA cases and the
+# GPU-only tests). Issue 17's items first, each its own step, so the summary reads item by item.
+OPS_TESTS="tests/test_ops.py tests/test_ops_checks.py"
+pytest_ops() { "$PY" -m pytest -q -p no:cacheprovider -rfs -m cuda $OPS_TESTS "$@"; }
+export OPS_TESTS
+export -f pytest_ops
+step item1_devices 60 pytest_ops -k "make_plan or normalize or shipping"
+step item2_hand_made 120 pytest_ops -k "hand_made"
+step item3_graphs 60 pytest_ops -k "graph_capture"
+step item4_plan 90 pytest_ops -k "plan_matches_reference or plan_integer or plan_stable or readback"
+if ! step ops_cuda 240 pytest_ops -x --durations=15; then
+  step ops_cuda_all 200 pytest_ops
 fi
 
 # Effective bandwidth of every kernel against a plain device copy (x.clone()), alone on the GPU.
@@ -144,59 +158,59 @@ def bench(fn, reps=20):
     return sorted(times)[len(times) // 2]
 
 print(torch.cuda.get_device_name(0))
-print(f"{'dtype':>9} {'B':>6} {'D':>6} {'N':>3} {'op':<26} {'ms':>8} {'GB/s':>8} {'vs copy':>8}")
+print(f"{'dtype':>9} {'B':>6} {'D':>6} {'N':>3} {'op':<28} {'ms':>8} {'GB/s':>8} {'vs copy':>8}")
 for dtype in (torch.float32, torch.bfloat16):
-    for B, D, N in ((32768, 1024, 4), (65536, 96, 2), (4096, 4099, 8)):
+    for B, D, N in ((32768, 1024, 4), (65536, 96, 2), (4096, 4099, 8), (8192, 256, 100)):
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(B, D, device="cuda", dtype=dtype, generator=g)
         gate = torch.rand(B, N, device="cuda", generator=g)
         gate = torch.where(gate < 0.6, torch.zeros_like(gate), gate)
+        ids = torch.randint(-1, N, (B,), device="cuda", generator=g)
         plan = mb.make_plan(gate, N)
-        M = plan.num_entries
-        packed = mb.gather(x, plan)
-        ys = mb.split_packed(packed, plan)
-        w = gate.to(dtype)
-        grad = torch.randn_like(x)
-        scale = (torch.rand(B, device="cuda", generator=g) < 0.8).float() / 0.8
+        M, ro, rb, rp = plan.num_entries, plan.row_offsets, plan.row_branch, plan.row_pos
+        ys = ops.gather(x, plan.rows, None, plan.counts)
         e = x.element_size()
+        # plan: the gate read once and its outputs written once (8 bytes an index); the
+        # temporaries (live matrices, scans) are not counted, so this is a lower bound
         cases = [  # name, fn, bytes moved
             ("copy (x.clone())", lambda: x.clone(), 2 * B * D * e),
-            ("plan (device gate)", lambda: ops.plan(gate, N), B * N * 4),
-            ("gather", lambda: ops.gather(x, plan.rows, plan.row_offsets, plan.row_pos), 2 * M * D * e),
-            ("gather_backward", lambda: ops.gather_backward(packed, plan.row_offsets, plan.row_pos), (M + B) * D * e),
-            ("combine (base, weights)",
-             lambda: ops.combine(x, ys, w, plan.rows, plan.row_offsets, plan.row_branch, plan.row_pos), (M + 2 * B) * D * e),
-            ("combine_backward_ys", lambda: ops.combine_backward_ys(grad, w, plan.rows, plan.counts), 2 * M * D * e),
-            ("combine_backward_weights",
-             lambda: ops.combine_backward_weights(grad, ys, plan.row_offsets, plan.row_branch, plan.row_pos, dtype), 2 * M * D * e),
-            ("drop_path_scale (base)", lambda: ops.drop_path_scale(x, grad, scale), 3 * B * D * e),
+            ("plan (float gate)", lambda: ops.plan(gate, N), B * N * 4 + 24 * M + 8 * B),
+            ("plan (ids gate)", lambda: ops.plan(ids, N), B * 8 + 24 * B + 8 * B),
+            ("gather", lambda: ops.gather(x, plan.rows, None, plan.counts), 2 * M * D * e),
+            ("gather (weights)", lambda: ops.gather(x, plan.rows, gate, plan.counts), 2 * M * D * e),
+            ("combine (base, weights)", lambda: ops.combine(x, ys, gate, ro, rb, rp), (M + 2 * B) * D * e),
+            ("combine (no base)", lambda: ops.combine(None, ys, None, ro, rb, rp), (M + B) * D * e),
+            ("combine_weights_backward", lambda: ops.combine_weights_backward(x, ys, ro, rb, rp), (M + B) * D * e),
         ]
         copy_bw = None
         for name, fn, nbytes in cases:
             t = bench(fn)
             bw = nbytes / t / 1e9
             copy_bw = copy_bw or bw
-            print(f"{str(dtype)[6:]:>9} {B:>6} {D:>6} {N:>3} {name:<26} {t * 1e3:8.3f} {bw:8.0f} {bw / copy_bw:8.2f}")
+            print(f"{str(dtype)[6:]:>9} {B:>6} {D:>6} {N:>3} {name:<28} {t * 1e3:8.3f} {bw:8.0f} {bw / copy_bw:8.2f}")
 PYEOF
 }
 export -f kernel_bandwidth
 step kernel_bandwidth 90 kernel_bandwidth
 
-# The rest of the suite (test_cuda_ops.py ran above); the sanitizers run beside it.
+# The rest of the suite (the GPU op tests ran above); the sanitizers run beside it, over the GPU
+# op tests without the slow ones (opcheck, gradcheck, >2^31 elements) and the child processes
+# that trip device asserts on purpose.
 SANITIZER=$(find_tool compute-sanitizer || true)
-SAN_K="not opcheck and not large"
+SAN_K="not opcheck and not gradcheck and not int64 and not hand_made"
 if [[ -n $SANITIZER ]]; then
   # No caching allocator, so out-of-bounds accesses are not hidden inside pooled blocks.
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck 170 "$SANITIZER" --tool memcheck --error-exitcode 17 \
-    --print-limit 50 "$PY" -m pytest -x -q -p no:cacheprovider tests/test_cuda_ops.py -k "$SAN_K" &
-  # Only combine_backward_weights (and ATen's scans in plan) use shared memory.
+    --print-limit 50 "$PY" -m pytest -x -q -p no:cacheprovider -m cuda $OPS_TESTS -k "$SAN_K" &
+  # Shared memory: the plan kernels' tiles and combine_weights_backward's reduction.
   step racecheck 170 "$SANITIZER" --tool racecheck --error-exitcode 17 --print-limit 50 \
-    "$PY" -m pytest -x -q -p no:cacheprovider tests/test_cuda_ops.py \
-    -k "$SAN_K and (combine_backward_weights or deterministic or plan_matches_cpu)" &
+    "$PY" -m pytest -x -q -p no:cacheprovider -m cuda $OPS_TESTS \
+    -k "$SAN_K and (combine_weights_backward or deterministic or plan_matches_reference)" &
 else
   echo "compute-sanitizer not found" | tee -a "$SUMMARY"
 fi
-step test_suite 200 "$PY" -m pytest -q -p no:cacheprovider -rf tests --ignore=tests/test_cuda_ops.py
+step test_suite 200 "$PY" -m pytest -q -p no:cacheprovider -rf tests --ignore=tests/test_ops.py \
+  --ignore=tests/test_ops_checks.py
 wait
 
 # ---------------------------------------------------------------------------------------------

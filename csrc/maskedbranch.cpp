@@ -5,6 +5,15 @@
 // combine are each other's adjoint, so each one's backward is a call of the other.
 //
 // The library is loaded with torch.ops.load_library (no Python module, no CPython API).
+//
+// Plans made by hand (not by `plan`) are checked: on the CPU on the host (an exception that
+// names the argument), on a GPU by device asserts, which cost no synchronization but leave the
+// CUDA context unusable (csrc/cuda/row_kernels.cuh says why). Both reject the same plans.
+//
+// CUDA graphs: gather, combine and combine_weights_backward launch kernels only (more than 64
+// branches included: their pointer table is written by kernels, not copied from host memory),
+// so they can be captured with a plan made before capture. `plan` with a GPU gate reads the
+// counts back and refuses to run under capture.
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 

@@ -85,13 +85,30 @@ def normalize_device(device: Union[str, torch.device, int, None], default: torch
     return device
 
 
+def shipping(sources: Sequence[torch.device], device: torch.device) -> str:
+    """How plan tensors on ``sources`` reach ``device`` (normalized): ``"none"`` (already there),
+    ``"pinned"`` (host tensors bound for a GPU: one pinned, asynchronous copy, no host wait) or
+    ``"plain"`` (``.to``: GPU to host, GPU to GPU, other devices, and under torch.compile)."""
+    if all(d == device for d in sources):
+        return "none"
+    if device.type == "cuda" and all(d.type == "cpu" for d in sources) and not torch.compiler.is_compiling():
+        return "pinned"
+    return "plain"
+
+
 def to_device(tensors: Sequence[Tensor], device: torch.device) -> List[Tensor]:
-    """Move plan tensors to ``device``. Host tensors bound for a GPU travel in one pinned,
-    asynchronous copy (no host wait); anything else takes a plain ``.to``."""
+    """Move plan tensors to ``device`` (normalized), as :func:`shipping` says."""
     tensors = list(tensors)
-    if all(t.device == device for t in tensors):
+    how = shipping([t.device for t in tensors], device)
+    if how == "none":
         return tensors
-    if device.type == "cuda" and all(t.device.type == "cpu" for t in tensors) and not torch.compiler.is_compiling():
+    if device.type == "cuda" and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
+        # A captured copy would replay from a host buffer that is reused after capture.
+        raise RuntimeError(
+            "make_plan: a plan cannot be moved to the GPU during CUDA graph capture. Make the plan "
+            "before capturing (gather and combine with it can be captured)."
+        )
+    if how == "pinned":
         sizes = [t.numel() for t in tensors]
         host = torch.cat(tensors).pin_memory()
         return list(host.to(device, non_blocking=True).split(sizes))
@@ -105,6 +122,10 @@ def make_plan(gate: Tensor, num_branches: int, device=None) -> Plan:
     ``gate`` is an integer tensor ``[B]`` of branch ids (-1 = no branch) or a bool or floating
     tensor ``[B, N]`` (nonzero = live). A host gate gives a host plan that is shipped to the
     device asynchronously; a device gate costs one readback (the counts and the validity check).
+    ``device`` may be unindexed ("cuda" = the current CUDA device).
+
+    Under CUDA graph capture no plan can be made for a GPU (the readback, or the shipping from
+    the host, cannot be captured): make it before capturing; gather and combine with it capture.
     """
     check_tensor(gate, "gate")
     offsets, rows, row_offsets, row_branch, row_pos = ops.plan(gate.detach(), num_branches)

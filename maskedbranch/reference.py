@@ -4,6 +4,7 @@ The tests compare the fused kernels against these. They favour clarity over spee
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -35,43 +36,74 @@ def plan(gate: Tensor, num_branches: int) -> Tuple[Tensor, Tensor, Tensor, Tenso
     return offsets, rows.to(dev), row_offsets.to(dev), row_branch.to(dev), row_pos.to(dev)
 
 
-def gather(x: Tensor, rows: Tensor) -> Tensor:
-    return x.index_select(0, rows)
+def _row_ids(row_offsets: Tensor) -> Tensor:
+    """The row of each CSR-by-row entry."""
+    rows = torch.arange(row_offsets.shape[0] - 1, device=row_offsets.device)
+    return rows.repeat_interleave(row_offsets.diff())
 
 
-def gather_split(x: Tensor, rows: Tensor, counts: Sequence[int]) -> List[Tensor]:
-    """Each branch's rows of x (copies, differentiable)."""
-    return [part.clone() for part in x.index_select(0, rows).split(list(counts))]
+def _weights_as(weights: Tensor, like: Tensor) -> Tensor:
+    """Per-entry weights broadcast over a row's trailing dimensions."""
+    return weights.reshape(-1, *([1] * (like.dim() - 1)))
 
 
-def gather_backward(grad: Tensor, rows: Tensor, num_rows: int) -> Tensor:
-    return grad.new_zeros((num_rows, *grad.shape[1:])).index_add_(0, rows, grad)
+def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ops weight and sum in: float64 for float64, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def combine(
-    base: Optional[Tensor], ys: Sequence[Tensor], weights: Optional[Tensor], rows: Tensor, num_rows: int
-) -> Tensor:
-    """``out = base + sum_i weights[:, i] * scatter(ys[i])`` with the rows of branch i being
-    ``rows[start_i : start_i + len(ys[i])]``."""
-    ref = base if base is not None else ys[0]
-    out = torch.zeros((num_rows, *ref.shape[1:]), dtype=ref.dtype, device=ref.device)
-    if base is not None:
-        out = out + base
-    start = 0
-    for i, y in enumerate(ys):
-        r = rows[start : start + y.shape[0]]
-        start += y.shape[0]
-        contrib = y
+def gather(x: Tensor, rows: Tensor, weights: Optional[Tensor], counts: Sequence[int]) -> List[Tensor]:
+    """Reference of ``maskedbranch::gather``: branch i gets ``x[rows[start_i : start_i + counts[i]]]``,
+    each row scaled by ``weights[row, i]`` when weights are given (in opmath, rounded once)."""
+    out, start = [], 0
+    opmath = opmath_dtype(x.dtype)
+    for i, c in enumerate(counts):
+        r = rows[start : start + c]
+        start += c
+        part = x.index_select(0, r)
         if weights is not None:
-            w = weights[r, i].to(y.dtype)
-            contrib = y * w.reshape(-1, *([1] * (y.dim() - 1)))
-        out = out.index_add(0, r, contrib)
+            part = (part.to(opmath) * _weights_as(weights[r, i].to(opmath), part)).to(x.dtype)
+        out.append(part)
     return out
 
 
-def drop_path_scale(base: Optional[Tensor], y: Tensor, scale: Tensor) -> Tensor:
-    out = y * scale.to(y.dtype).reshape(-1, *([1] * (y.dim() - 1)))
-    return out if base is None else base + out
+def combine(
+    base: Optional[Tensor],
+    ys: Sequence[Tensor],
+    weights: Optional[Tensor],
+    row_offsets: Tensor,
+    row_branch: Tensor,
+    row_pos: Tensor,
+) -> Tensor:
+    """Reference of ``maskedbranch::combine``: ``out[b] = base[b] + sum over row b's entries e of
+    weights[b, i] * ys[i][row_pos[e] - start_i]`` with ``i = row_branch[e]`` (weights default 1),
+    summed in opmath and rounded once."""
+    ref = base if base is not None else ys[0]
+    opmath = opmath_dtype(ref.dtype)
+    packed = torch.cat([y.reshape(y.shape[0], *ref.shape[1:]) for y in ys]).to(opmath)
+    entry_rows = _row_ids(row_offsets)
+    contrib = packed.index_select(0, row_pos)
+    if weights is not None:
+        contrib = contrib * _weights_as(weights[entry_rows, row_branch].to(opmath), contrib)
+    out = torch.zeros((row_offsets.shape[0] - 1, *ref.shape[1:]), dtype=opmath, device=ref.device)
+    if base is not None:
+        out = out + base.to(opmath)
+    return out.index_add(0, entry_rows, contrib).to(ref.dtype)
+
+
+def combine_weights_backward(
+    grad: Tensor, ys: Sequence[Tensor], row_offsets: Tensor, row_branch: Tensor, row_pos: Tensor
+) -> Tensor:
+    """Reference of ``maskedbranch::combine_weights_backward``: ``<grad[b], ys[i][...]>`` at each
+    live entry (b, i), zero elsewhere; [B, N] in float64 for float64 inputs, else float32."""
+    dtype = opmath_dtype(grad.dtype)
+    d = math.prod(grad.shape[1:])
+    packed = torch.cat([y.reshape(y.shape[0], d) for y in ys]).to(dtype)
+    entry_rows = _row_ids(row_offsets)
+    dots = (grad.reshape(grad.shape[0], d).to(dtype)[entry_rows] * packed[row_pos]).sum(1)
+    out = torch.zeros((row_offsets.shape[0] - 1, len(ys)), dtype=dtype, device=grad.device)
+    out[entry_rows, row_branch] = dots
+    return out
 
 
 def masked_branch_dense(

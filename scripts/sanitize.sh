@@ -36,7 +36,7 @@ fi
 BUILD=${SANITIZE_BUILD_DIR:-$ROOT/build/sanitize}
 CXX=${CXX:-c++}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-if [[ $# -gt 0 ]]; then TESTS=("$@"); else TESTS=(tests/test_ops.py tests/test_bad_inputs.py tests/test_masked_branch.py tests/test_fuzz.py); fi
+if [[ $# -gt 0 ]]; then TESTS=("$@"); else TESTS=(tests/test_ops.py tests/test_ops_checks.py tests/test_bad_inputs.py tests/test_masked_branch.py tests/test_fuzz.py); fi
 export MASKEDBRANCH_FUZZ_SCALE=${MASKEDBRANCH_FUZZ_SCALE:-0.5}
 
 note() { printf -- '-- %s\n' "$*"; }
@@ -99,7 +99,7 @@ so=$(find "$BUILD/lib/maskedbranch" -maxdepth 1 -name '_C*.so' | head -n 1)
 [[ -n $so ]] || die "no maskedbranch/_C*.so under $BUILD/lib"
 nm -D "$so" | grep __asan_ > /dev/null || die "$so is not instrumented"  # (no grep -q: SIGPIPE + pipefail)
 
-# 3. A package of the Python sources plus the instrumented _C, imported ahead of any install.
+# 3. A package of the Python sources plus the instrumented library, imported ahead of any install.
 pkg=$BUILD/pkg
 rm -rf "$pkg" && mkdir -p "$pkg"
 (cd "$ROOT" && find maskedbranch -name '*.py' -print0 | while IFS= read -r -d '' f; do
@@ -111,14 +111,18 @@ run_dir=$BUILD/run
 mkdir -p "$run_dir"
 abs_tests=()
 for t in "${TESTS[@]}"; do abs_tests+=("$(cd "$ROOT" && realpath "$t")"); done
+# The library is loaded with torch.ops.load_library (no Python module): find it in the maps.
 where=$(cd "$run_dir" && PYTHONPATH="$pkg" LD_PRELOAD="$SAN_PRELOAD" "$PYTHON" -c \
-  'import maskedbranch, maskedbranch._C as C; print(C.__file__)')
-[[ $where == "$pkg/"* ]] || die "imported maskedbranch._C from $where, not from $pkg"
-note "maskedbranch._C = $where"
+  'import maskedbranch; print(*sorted({l.split()[-1] for l in open("/proc/self/maps") if "/maskedbranch/_C" in l and l.rstrip().endswith(".so")}))')
+[[ $where == "$pkg/maskedbranch/_C"*.so ]] || die "loaded the maskedbranch library from '$where', not from $pkg"
+note "maskedbranch library = $where"
 note "pytest ${TESTS[*]} (ASan + UBSan; log: $BUILD/test.log)"
+# --capture=sys: pytest captures Python's output only, so a report (written to file descriptor
+# 2 by the sanitizer runtime, just before it halts the process) reaches the log instead of
+# vanishing with pytest's captured output.
 set +e
-(cd "$run_dir" && PYTHONPATH="$pkg" LD_PRELOAD="$SAN_PRELOAD" "$PYTHON" -m pytest -q -p no:cacheprovider \
-  --rootdir="$ROOT" "${abs_tests[@]}") 2>&1 | tee "$BUILD/test.log"
+(cd "$run_dir" && PYTHONPATH="$pkg" LD_PRELOAD="$SAN_PRELOAD" "$PYTHON" -m pytest -q --capture=sys \
+  -p no:cacheprovider --rootdir="$ROOT" "${abs_tests[@]}") 2>&1 | tee "$BUILD/test.log"
 rc=${PIPESTATUS[0]}
 set -e
 if grep -Eq "$REPORT" "$BUILD/test.log"; then

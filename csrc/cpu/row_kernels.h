@@ -25,6 +25,7 @@ void gather_rows(const std::vector<scalar_t*>& outs, const scalar_t* src, const 
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t num_branches = static_cast<int64_t>(starts.size()) - 1;
   const int64_t num_entries = starts.back();
+  if (row_numel == 0) return;  // empty rows: nothing to copy (and memcpy must not see null)
   at::parallel_for(0, num_entries, row_grain(row_numel), [&](int64_t begin, int64_t end) {
     int64_t branch = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
     for (int64_t p = begin; p < end; ++p) {

@@ -1,8 +1,8 @@
-// combine: out = base + weighted sum of the branch outputs, read where they are (a table of
-// per-branch pointers, never concatenated); backward: the packed gradient of every branch
-// output (a weighted row copy) and the gradient of the weights (one dot product per live
-// entry, a fixed-shape tree reduction, no atomics). Same outputs as csrc/cpu/combine.cpp;
-// the weights' gradient differs from the CPU only by summation order.
+// combine (CUDA): out = base + weighted sum of the branch outputs, read where they are (a table
+// of per-branch pointers, never concatenated; it is also gather's backward); and the gradient
+// of its weights (one dot product per live entry, a fixed-shape tree reduction, no atomics).
+// Same outputs as csrc/cpu/combine.cpp; the weights' gradient differs from the CPU only by
+// summation order. Plan values are checked on the device (row_kernels.cuh).
 #include <torch/library.h>
 
 #include "../op_args.h"
@@ -17,53 +17,29 @@ template <typename scalar_t>
 std::vector<const scalar_t*> source_ptrs(const std::vector<at::Tensor>& ys) {
   std::vector<const scalar_t*> ptrs;
   ptrs.reserve(ys.size());
-  for (const auto& y : ys) ptrs.push_back(y.numel() > 0 ? y.const_data_ptr<scalar_t>() : nullptr);
+  for (const auto& y : ys) ptrs.push_back(const_data_or_null<scalar_t>(y));
   return ptrs;
 }
 
 at::Tensor combine_cuda(const c10::optional<at::Tensor>& base, at::TensorList ys,
-                        const c10::optional<at::Tensor>& weights, const at::Tensor& rows,
-                        const at::Tensor& row_offsets_in, const at::Tensor& row_branch_in,
-                        const at::Tensor& row_pos_in) {
-  auto a = check_combine(base, ys, weights, rows, row_offsets_in, row_branch_in, row_pos_in);
+                        const c10::optional<at::Tensor>& weights, const at::Tensor& row_offsets,
+                        const at::Tensor& row_branch, const at::Tensor& row_pos) {
+  auto a = check_combine(base, ys, weights, row_offsets, row_branch, row_pos);
   c10::cuda::CUDAGuard device_guard(a.ref.device());
-  auto row_offsets = row_offsets_in.contiguous();
-  auto row_branch = row_branch_in.contiguous();
-  auto row_pos = row_pos_in.contiguous();
-  const int64_t num_entries = row_pos.numel();
-  auto out = empty_rows(a.batch, a.ref.sizes().slice(1), a.ref.options(), a.format);
-  const int64_t d = row_numel(a.ref);
-  if (a.batch == 0 || d == 0) return out;
+  auto out = empty_rows(a.plan.batch, a.ref.sizes().slice(1), a.ref.options(), a.format);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.ref.scalar_type(), "maskedbranch_combine_cuda", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
-    launch_segment_sum<scalar_t>(out.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(a.base), source_ptrs<scalar_t>(a.ys),
-                                 a.starts, row_offsets.const_data_ptr<int64_t>(), row_branch.const_data_ptr<int64_t>(),
-                                 row_pos.const_data_ptr<int64_t>(), a.batch, num_entries, d,
-                                 ptr_or_null<opmath_t>(a.weights), out.device());
-  });
-  return out;
-}
-
-at::Tensor combine_backward_ys_cuda(const at::Tensor& grad_in, const c10::optional<at::Tensor>& weights,
-                                    const at::Tensor& rows_in, c10::IntArrayRef counts) {
-  auto a = check_combine_backward_ys(grad_in, weights, rows_in, counts);
-  c10::cuda::CUDAGuard device_guard(a.grad.device());
-  auto rows = rows_in.contiguous();
-  const int64_t num_entries = rows.numel();
-  auto out = empty_rows(num_entries, a.grad.sizes().slice(1), a.grad.options(), a.format);
-  const int64_t d = row_numel(a.grad);
-  if (num_entries == 0 || d == 0) return out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.grad.scalar_type(), "maskedbranch_combine_backward_ys_cuda", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    launch_gather_rows<scalar_t>(out.data_ptr<scalar_t>(), a.grad.const_data_ptr<scalar_t>(),
-                                 rows.const_data_ptr<int64_t>(), num_entries, a.grad.size(0), d,
-                                 ptr_or_null<opmath_t>(a.weights), a.starts, out.device());
+    launch_segment_sum<scalar_t>(data_or_null<scalar_t>(out), const_data_or_null<scalar_t>(a.base),
+                                 source_ptrs<scalar_t>(a.ys), a.starts, a.plan.row_offsets.const_data_ptr<int64_t>(),
+                                 a.plan.row_branch.const_data_ptr<int64_t>(), a.plan.row_pos.const_data_ptr<int64_t>(),
+                                 a.plan.batch, a.plan.num_entries, row_numel(a.ref),
+                                 const_data_or_null<opmath_t>(a.weights), out.device());
   });
   return out;
 }
 
 // ------------------------------------------------------------------------------------------
-// combine_backward_weights: out[b, i] = <grad[b], ys[i][local]> for every live entry (b, i).
+// combine_weights_backward: out[b, i] = <grad[b], ys[i][local]> for every live entry (b, i).
 // kRowThreads threads (a warp, or the whole block) own a row; blockIdx.x picks a chunk of
 // the row when rows are few and long. Each thread sums its strided vectors in order, then a
 // fixed shuffle/shared-memory tree combines the threads. With one chunk the result goes
@@ -82,7 +58,7 @@ struct DotParams {
   int64_t row_vecs;
   int64_t chunk;  // vectors per chunk
   int64_t chunks;
-  Sources<scalar_t> sources;
+  BranchTable<const scalar_t*> sources;
 };
 
 template <typename T>
@@ -111,15 +87,11 @@ __global__ void __launch_bounds__(kThreads) dot_rows_kernel(const __grid_constan
     if (b >= P.batch) continue;  // only with kRowThreads == 32: a whole warp skips
     const int64_t e0 = P.row_offsets[b];
     const int64_t e1 = P.row_offsets[b + 1];
-    CUDA_KERNEL_ASSERT(e0 >= 0 && e0 <= e1 && e1 <= P.num_entries);
+    assert_row_span(b, P.batch, e0, e1, P.num_entries);
     const V* g = reinterpret_cast<const V*>(P.grad) + b * P.row_vecs;
     for (int64_t e = e0; e < e1; ++e) {
-      const int64_t i = P.row_branch[e];
-      CUDA_KERNEL_ASSERT(i >= 0 && i < P.sources.n);
-      const int64_t s0 = P.sources.first(i);
-      const int64_t pos = P.row_pos[e];
-      CUDA_KERNEL_ASSERT(pos >= s0 && pos < P.sources.first(i + 1));
-      const V* y = reinterpret_cast<const V*>(P.sources.source(i)) + (pos - s0) * P.row_vecs;
+      const int64_t i = checked_branch(P.sources, P.row_branch, P.row_pos, e);
+      const V* y = reinterpret_cast<const V*>(P.sources.at(i)) + (P.row_pos[e] - P.sources.first(i)) * P.row_vecs;
       opmath_t dot = 0;
       for (int64_t j = c0 + lane; j < c1; j += int64_t(kRowThreads) * kUnroll) {
         V gv[kUnroll], yv[kUnroll];
@@ -217,55 +189,53 @@ void launch_dot_rows(DotParams<scalar_t>& P, int64_t n, const at::TensorOptions&
   }
 }
 
-at::Tensor combine_backward_weights_cuda(const at::Tensor& grad, at::TensorList ys,
-                                         const at::Tensor& row_offsets_in, const at::Tensor& row_branch_in,
-                                         const at::Tensor& row_pos_in, at::ScalarType dtype) {
+at::Tensor combine_weights_backward_cuda(const at::Tensor& grad, at::TensorList ys, const at::Tensor& row_offsets,
+                                         const at::Tensor& row_branch, const at::Tensor& row_pos) {
   // grad plays the role of base: same rows, trailing shape, dtype and device as the output.
-  auto a = check_combine(grad, ys, c10::nullopt, row_pos_in, row_offsets_in, row_branch_in, row_pos_in);
+  auto a = check_combine(grad, ys, c10::nullopt, row_offsets, row_branch, row_pos, "grad");
   c10::cuda::CUDAGuard device_guard(grad.device());
-  auto row_offsets = row_offsets_in.contiguous();
-  auto row_branch = row_branch_in.contiguous();
-  auto row_pos = row_pos_in.contiguous();
   const int64_t num_branches = static_cast<int64_t>(ys.size());
   const int64_t d = row_numel(grad);
   const auto opmath_opts = grad.options().dtype(opmath_type(grad.scalar_type()));
-  auto out = at::zeros({a.batch, num_branches}, opmath_opts);
-  if (a.batch > 0 && d > 0 && row_pos.numel() > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "maskedbranch_combine_backward_weights_cuda", [&] {
-      using opmath_t = at::opmath_type<scalar_t>;
-      const auto ptrs = source_ptrs<scalar_t>(a.ys);
-      at::Tensor holder;
-      DotParams<scalar_t> P;
-      P.sources = make_sources<scalar_t>(ptrs, a.starts, grad.device(), holder);
-      P.grad = a.base.const_data_ptr<scalar_t>();
-      P.row_offsets = row_offsets.const_data_ptr<int64_t>();
-      P.row_branch = row_branch.const_data_ptr<int64_t>();
-      P.row_pos = row_pos.const_data_ptr<int64_t>();
-      P.out = out.data_ptr<opmath_t>();
-      P.partial = nullptr;
-      P.batch = a.batch;
-      P.num_entries = row_pos.numel();
-      std::vector<const scalar_t*> all = ptrs;
-      all.push_back(P.grad);
-      constexpr int kVec = vec_width<scalar_t>();
-      if (can_vectorize<scalar_t>(d, all)) {
-        P.row_vecs = d / kVec;
-        launch_dot_rows<scalar_t, kVec>(P, num_branches, opmath_opts);
-      } else {
-        P.row_vecs = d;
-        launch_dot_rows<scalar_t, 1>(P, num_branches, opmath_opts);
-      }
-    });
-  }
-  return out.to(dtype);
+  auto out = at::zeros({a.plan.batch, num_branches}, opmath_opts);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "maskedbranch_combine_weights_backward_cuda", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const auto ptrs = source_ptrs<scalar_t>(a.ys);
+    at::Tensor holder;
+    DotParams<scalar_t> P;
+    P.sources = make_table<const scalar_t*>(ptrs, a.starts, grad.device(), holder);
+    P.row_offsets = a.plan.row_offsets.const_data_ptr<int64_t>();
+    P.row_branch = a.plan.row_branch.const_data_ptr<int64_t>();
+    P.row_pos = a.plan.row_pos.const_data_ptr<int64_t>();
+    P.batch = a.plan.batch;
+    P.num_entries = a.plan.num_entries;
+    if (a.plan.batch == 0 || d == 0 || a.plan.num_entries == 0) {
+      // Nothing to sum (the zeros are the answer), but the plan is checked as on the CPU.
+      launch_check_row_plan(P.row_offsets, P.row_branch, P.row_pos, P.batch, P.num_entries, P.sources);
+      return;
+    }
+    P.grad = a.base.const_data_ptr<scalar_t>();
+    P.out = out.data_ptr<opmath_t>();
+    P.partial = nullptr;
+    std::vector<const void*> all(ptrs.begin(), ptrs.end());
+    all.push_back(P.grad);
+    constexpr int kVec = vec_width<scalar_t>();
+    if (can_vectorize<scalar_t>(d, all)) {
+      P.row_vecs = d / kVec;
+      launch_dot_rows<scalar_t, kVec>(P, num_branches, opmath_opts);
+    } else {
+      P.row_vecs = d;
+      launch_dot_rows<scalar_t, 1>(P, num_branches, opmath_opts);
+    }
+  });
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(maskedbranch, CUDA, m) {
   m.impl("combine", &combine_cuda);
-  m.impl("combine_backward_ys", &combine_backward_ys_cuda);
-  m.impl("combine_backward_weights", &combine_backward_weights_cuda);
+  m.impl("combine_weights_backward", &combine_weights_backward_cuda);
 }
 
 }  // namespace maskedbranch
