@@ -47,13 +47,20 @@ import torch
 from torch import Tensor, nn
 
 try:
-    import transformers  # noqa: F401
+    import transformers
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "maskedbranch.integrations.transformers needs transformers; install it with "
         f"`pip install transformers` (importing it failed: {e})"
     ) from e
+
+if int(transformers.__version__.split(".")[0]) < 5:
+    # Before 5.0 the layers return tuples that the loops index: the stand-ins would not fit.
+    raise ImportError(
+        "maskedbranch.integrations.transformers needs transformers >= 5 (its rules are read from "
+        f"transformers 5's forwards), found {transformers.__version__}"
+    )
 
 from .. import _autograd, _dead_grads, _structure, unused_grads
 from ._transformers_rules import FAMILIES, REFUSED, RULES, Rule
