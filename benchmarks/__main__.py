@@ -1,4 +1,4 @@
-"""Entry point: python -m benchmarks [--quick] [--only masked,ddp,droppath,kernels] [--device cpu|cuda] [--out DIR]
+"""Entry point: python -m benchmarks [--quick] [--only masked,ddp,droppath,kernels,hf] [--device cpu|cuda] [--out DIR]
 
 Writes results.md (markdown tables), results.json and PNG plots into the results folder.
 """
@@ -14,7 +14,7 @@ import platform
 import sys
 import time
 
-SUITES = ["masked", "ddp", "droppath", "kernels"]
+SUITES = ["masked", "ddp", "droppath", "kernels", "hf"]
 
 
 def machine(device: str) -> str:

@@ -199,6 +199,23 @@ def test_outside_forward_and_after_errors():
     assert_same(step(ref, inputs, 1), step(model, inputs, 1))
 
 
+def test_materialize_grads_and_deepspeed_zero3(monkeypatch):
+    ref, inputs = hf_tiny.build("bart")
+    model = copy.deepcopy(ref)
+    mb_hf.patch(model, materialize_grads=True)  # zeros for a dropped layer's parameters, even in one process
+    a, b = step(ref, inputs, 0), step(model, inputs, 0)
+    missing = set(n for n, p in ref.named_parameters()) - set(a[1])
+    assert missing and missing == {n for n, g in b[1].items() if not g.any()} - set(a[1])
+    for n, g in a[1].items():
+        assert torch.equal(b[1][n], g), n
+    monkeypatch.setattr(mb_hf, "is_deepspeed_zero3_enabled", lambda: True)
+    with pytest.raises(RuntimeError, match="BartEncoder.layers: LayerDrop under DeepSpeed ZeRO-3"):
+        step(model, inputs, 0)
+    assert model.config.encoder_layerdrop == hf_tiny.P and model.encoder.layerdrop == hf_tiny.P
+    model.eval()
+    model(**inputs)  # eval mode drops nothing: nothing to refuse
+
+
 def test_copies_pickles_unpatch_and_checkpointing():
     ref, inputs = hf_tiny.build("bart")
     model = copy.deepcopy(ref)

@@ -27,15 +27,14 @@ zeros under FSDP2; maskedbranch/_dead_grads.py), and before each optimizer step 
 layers that no rank ran are set back to ``None`` (maskedbranch/unused_grads.py): training equals
 the unpatched model under ``find_unused_parameters=True``, step for step.
 
-FSDP2: HF's own check for "sharded, run every layer" (``is_fsdp_managed_module``) does not see
-``fully_shard``; ranks that draw differently then reduce different gradients. Patched, a dropped
-layer's parameters get zero gradients, so every rank reduces the same ones, with the FSDP2 unit
-around the layers or on each layer (a dropped layer that is its own unit still enters it, for
-the all-gather and reduce-scatter every rank must issue, and returns without computing).
+FSDP2 (HF's "run every layer when sharded" check does not see ``fully_shard``): dropped layers'
+parameters get zero gradients, so every rank reduces the same ones, with the unit around the
+layers or on each layer (a dropped unit is entered for its collectives and computes nothing).
 DeepSpeed ZeRO-3, where HF runs every layer, is refused while training.
 """
 from __future__ import annotations
 
+import inspect
 import random
 import sys
 import threading
@@ -334,7 +333,7 @@ def _rule_of(module: nn.Module) -> Tuple[Optional[Rule], Optional[str]]:
             if key in REFUSED:
                 return None, REFUSED[key]
             rule = RULES[key]
-            obj, name = _holder(module, rule.source) if hasattr(module, "config") or "." not in rule.source else (None, "")
+            obj, name = _holder(module, rule.source) if hasattr(module, "config") else (module, rule.source)
             if not isinstance(getattr(module, "layers", None), nn.ModuleList) or not hasattr(obj, name):
                 return None, f"{base.__qualname__} without `layers` or `{rule.source}` (an unsupported transformers version?)"
             return rule, None
@@ -348,8 +347,6 @@ def _uses_layerdrop(cls: type) -> bool:
     """Whether the class's forward reads a LayerDrop probability (read from its source once)."""
     found = _SOURCE_CACHE.get(cls)
     if found is None:
-        import inspect
-
         try:
             found = "layerdrop" in inspect.getsource(cls.forward)
         except (OSError, TypeError):
