@@ -22,12 +22,13 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import transformers
 from torch import nn
 
 import harness
-import hf_tiny
-from maskedbranch.integrations import transformers as mb_hf
+
+transformers = pytest.importorskip("transformers", minversion="5")
+import hf_tiny  # noqa: E402 - needs transformers
+from maskedbranch.integrations import transformers as mb_hf  # noqa: E402
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -290,15 +291,18 @@ def _train(rank, family, how):
     return grads, runs, params, layers
 
 
+# FSDP2 runs on CPUs from torch 2.7 (2.6's all-gather records an event on a device stream).
+FSDP2_ON_CPU = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 7)
 SCENARIOS = [(f, h) for f in FAMILIES_DDP for h in ("reference", "patched")] + [
     ("wav2vec2", h) for h in ("static", "checkpointing", "fsdp-root", "fsdp-layers", "plain")]
+RUN = [s for s in SCENARIOS if FSDP2_ON_CPU or not s[1].startswith("fsdp")]
 
 
 def _worker(rank, world, init_file, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {}
-    for family, how in SCENARIOS:
+    for family, how in RUN:
         try:
             results[(family, how)] = ("ok", _train(rank, family, how))
         except Exception:  # noqa: BLE001 - reported to the test
@@ -319,7 +323,9 @@ def _zeros_for_none(grads, like):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family,how", [s for s in SCENARIOS if s[1] not in ("reference", "plain")])
+@pytest.mark.parametrize("family,how", [
+    pytest.param(*s, marks=pytest.mark.skipif(s not in RUN, reason="FSDP2 runs on CPUs from torch 2.7"))
+    for s in SCENARIOS if s[1] not in ("reference", "plain")])
 def test_ddp_patched_equals_reference(ranks, family, how):
     ref = harness.results_of(ranks, (family, "reference"))
     got = harness.results_of(ranks, (family, how))
