@@ -1,15 +1,16 @@
-"""Comparison 5: a Hugging Face model with LayerDrop under DDP, patched by
-maskedbranch.integrations.transformers with find_unused_parameters=False, against HF's own model
-with find_unused_parameters=True (the setting HF's Trainer picks for it).
+"""A Hugging Face model with LayerDrop under DDP: HF's own model with find_unused_parameters=True
+(what HF's Trainer picks for it) against the same model patched by
+``maskedbranch.integrations.transformers.patch`` with find_unused_parameters=False.
 
-A Wav2Vec2ForSequenceClassification (random weights, a small convolutional feature encoder) at
-LayerDrop p; each rank draws its own layers (seeded by rank and step), and both contenders draw the
-same ones in a step, so they run the same layers: the step-time ratio is the cost of DDP's graph
-walk and used-map all-reduce (fup=True) against the tie of the dropped layers' parameters and the
-unused-gradient pruning (patched; the two train identically, tests/test_transformers_integration.py).
-"p = 0" is the same model without LayerDrop under fup=False: the step a model pays for every layer.
-Ideal ratio "LayerDrop / p = 0" = the fraction of layer compute kept, about 1 - p for the encoder.
-Contenders are interleaved step by step; 2 gloo ranks on CPU (one thread each), NCCL on GPUs.
+A Wav2Vec2ForSequenceClassification (random weights, a small frozen convolutional feature encoder)
+at LayerDrop p. Each rank draws its own layers; within a step every contender draws the same ones
+(the step's seed is an input), so HF and patched run the same layers and train identically (checked:
+parameters equal after the timed SGD steps with momentum and weight decay). The step ratio
+patched / HF is then what find_unused_parameters=True costs (DDP's graph walk and used-map
+all-reduce) against what the patch costs (the dropped layers' tie, the unused-gradient pruning).
+"p = 0" is the model without LayerDrop (fup=False): HF / p = 0 shows what LayerDrop saves, whose
+ideal is about the kept fraction of the encoder layers' share of the step.
+2 gloo ranks on CPU (one thread each), NCCL on GPUs; contenders interleaved step by step.
 """
 from __future__ import annotations
 
@@ -17,109 +18,92 @@ if __name__ == "__main__" and not __package__:  # run as a file (e.g. by a loop 
     print("run the suite as a module: python -m benchmarks --only hf")
     raise SystemExit(0)
 
-import json
-import os
-import socket
-import statistics
-import tempfile
-import time
+import importlib.util
 
 import torch
+from torch import nn
 
-NAMES = ["HF LayerDrop, fup=True", "patched, fup=False", "p = 0, fup=False"]
+from . import note, table
+from .ddp_train import columns, launch_all, record_checks, summarize
+
+NONE = "p = 0, fup=False"
 
 
-def _model(cfg, p, patched):
+def _names(ps):
+    return [n for p in ps for n in (f"HF p={p}, fup=True", f"patched p={p}, fup=False")] + [NONE]
+
+
+class Seeded(nn.Module):
+    """The model, seeded per step from an input: every contender of a step draws the same layers."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, seed: int):
+        torch.manual_seed(seed)
+        return self.model(input_values=x).logits
+
+
+def build(name: str, job: dict) -> nn.Module:
     from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
 
-    torch.manual_seed(0)
-    d = cfg["d"]
-    config = Wav2Vec2Config(hidden_size=d, num_hidden_layers=cfg["layers"], num_attention_heads=4, intermediate_size=4 * d,
+    p = 0.0 if name == NONE else float(name.split("p=")[1].split(",")[0])
+    d = job["d"]
+    config = Wav2Vec2Config(hidden_size=d, num_hidden_layers=job["layers"], num_attention_heads=4, intermediate_size=4 * d,
                             conv_dim=(64, 64, 64, 64), conv_kernel=(10, 3, 3, 3), conv_stride=(5, 2, 2, 2),
                             num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, layerdrop=p, num_labels=4,
                             mask_time_prob=0.0, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
     model = Wav2Vec2ForSequenceClassification(config)
     model.freeze_feature_encoder()  # as fine-tuning does
-    if patched:
+    if name.startswith("patched"):
         from maskedbranch.integrations import transformers as mb_hf
 
         mb_hf.patch(model)
-    return model.train()
+    return Seeded(model)
 
 
-def _worker(rank, world, cfg, port, path):
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cuda = cfg["device"] == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    models, opts = {}, {}
-    for name in NAMES:
-        m = _model(cfg, 0.0 if name.startswith("p = 0") else cfg["p"], name.startswith("patched")).to(dev)
-        models[name] = DDP(m, device_ids=[rank] if cuda else None, find_unused_parameters="fup=True" in name)
-        opts[name] = torch.optim.AdamW([q for q in m.parameters() if q.requires_grad], lr=1e-4)
-    g = torch.Generator().manual_seed(rank)
-    steps = {k: [] for k in NAMES}
-    for rep in range(cfg["warmup"] + cfg["reps"]):
-        x = torch.randn(cfg["batch"], cfg["samples"], generator=g).to(dev)
-        y = torch.randint(0, 4, (cfg["batch"],), generator=g).to(dev)
-        s = rep % len(NAMES)
-        for name in NAMES[s:] + NAMES[:s]:
-            torch.manual_seed(1000 * rep + rank)  # the same draws for every contender in this step
-            dist.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            models[name](input_values=x, labels=y).loss.backward()
-            opts[name].step()
-            opts[name].zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-            if rep >= cfg["warmup"]:
-                steps[name].append(time.perf_counter() - t0)
-    dist.barrier()
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(steps, f)
-    dist.destroy_process_group()
+def ddp_kwargs(name: str) -> dict:
+    return {"find_unused_parameters": "fup=True" in name}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def draw(g: torch.Generator, job: dict):
+    x = torch.randn(job["batch"], job["samples"], generator=g)
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g))
+    return (x, seed), torch.randint(0, 4, (job["batch"],), generator=g)
+
+
+def loss(out, target):
+    return nn.functional.cross_entropy(out, target)
 
 
 def run(cfg) -> list:
-    import torch.multiprocessing as mp
-
+    if importlib.util.find_spec("transformers") is None:
+        note(cfg, "hf: skipped: transformers is not installed")
+        return []
     cuda = cfg.device == "cuda"
-    world = cfg.ddp_ranks or (min(2, torch.cuda.device_count()) if cuda else 2)
-    base = dict(device=cfg.device, layers=8 if cfg.quick else 12, d=128 if cfg.quick else 256, batch=2 if cfg.quick else 4,
-                samples=8000 if cfg.quick else 16000, reps=10 if cfg.quick else 30, warmup=2 if cfg.quick else 3)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for p in ((0.4,) if cfg.quick else (0.1, 0.2, 0.4)):
-            path = os.path.join(tmp, f"hf{p}.json")
-            mp.spawn(_worker, args=(world, dict(base, p=p), _free_port(), path), nprocs=world, join=True)
-            with open(path) as f:
-                steps = json.load(f)
-            ref, patched, full = (steps[k] for k in NAMES)
-            rows.append([p, statistics.median(ref) * 1e3, statistics.median(patched) * 1e3, statistics.median(full) * 1e3,
-                         statistics.median(a / b for a, b in zip(patched, ref)),
-                         statistics.median(patched) / statistics.median(full), 1 - p])
-    backend = f"{world} NCCL ranks" if cuda else f"{world} gloo ranks, 1 thread each"
-    return [{
-        "title": f"HF LayerDrop under DDP ({backend}; Wav2Vec2ForSequenceClassification, {base['layers']} layers of "
-                 f"width {base['d']}, batch {base['batch']} x {base['samples']} samples per rank; medians over "
-                 f"{base['reps']} interleaved steps, rank 0)",
-        "columns": ["LayerDrop p", "HF, fup=True ms", "patched, fup=False ms", "p = 0 ms", "patched / HF fup=True*",
-                    "patched / p = 0", "ideal (layers kept)"],
-        "rows": rows,
-        "notes": "*Median of per-step ratios (both contenders drop the same layers in a step). Both train "
-                 "identically. The step also runs the (frozen) feature encoder and the head, which LayerDrop does "
-                 "not skip, so patched / p = 0 stays above the ideal.",
-    }]
+    world = cfg.ddp_ranks or (1 if cuda else 2)
+    size = cfg.size
+    layers, d, batch, samples = {"smoke": (4, 32, 2, 1600), "quick": (8, 128, 2, 8000), "full": (12, 256, 4, 16000)}[size]
+    launches, reps, warmup = {"smoke": (1, 3, 1), "quick": (1, 10, 2), "full": (2, 30, 3)}[size]
+    ps = {"smoke": (0.4,), "quick": (0.2, 0.4), "full": (0.1, 0.2, 0.4)}[size]
+    names = _names(ps)
+    same = [[f"patched p={p}, fup=False", f"HF p={p}, fup=True"] for p in ps]
+    job = dict(device=cfg.device, layers=layers, d=d, batch=batch, samples=samples, reps=reps, warmup=warmup,
+               lr=1e-3, weight_decay=1e-4, module_phases=False)
+    runs = launch_all(__name__, names, same, world, launches, job)
+    record_checks(cfg, runs, "hf")
+    rows = summarize(runs, names, lambda n: n.replace("patched", "HF").replace("fup=False", "fup=True")
+                     if n.startswith("patched") else NONE, module_phases=False)
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
+    backend = f"{ranks}, NCCL" if cuda else f"{ranks}, gloo, 1 thread{' each' if world > 1 else ''}"
+    return [table(
+        f"HF LayerDrop under DDP ({backend}; Wav2Vec2ForSequenceClassification, {layers} layers of width {d}, "
+        f"batch {batch} x {samples} samples per rank, SGD momentum 0.9, weight decay 1e-4; {launches} launch(es) x "
+        f"{reps} interleaved steps; medians in ms, rank 0)",
+        columns(False),
+        rows,
+        "*Median of per-step ratios against the contender in 'against': patched against HF at the same p (the same "
+        "layers run in every step; trained identically, checked), HF against the model without LayerDrop. Goal: "
+        "patched / HF <= 1 (no graph walk); HF / p = 0 approaches the kept fraction of the layers' share of the step.",
+    )]

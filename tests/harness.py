@@ -5,6 +5,7 @@
 * ``random_gate``: the gate kinds of MaskedBranch, drawn from a generator.
 * ``run_ranks`` / ``results_of``: real multi-process jobs (spawned, gloo, as torchrun starts them).
 * ``conversions_replace_parameters``: ``.to()`` that replaces parameter objects.
+* ``accumulator_hooks``: hooks where DDP's reducer learns that a gradient is ready.
 * ``rss``: resident memory of this process.
 """
 import contextlib
@@ -92,6 +93,18 @@ def conversions_replace_parameters():
         yield
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(before)
+
+
+def accumulator_hooks(params, fired: list) -> list:
+    """Append each parameter to ``fired`` when its gradient accumulator runs: where DDP's reducer
+    learns that a gradient is ready, which fires for an undefined gradient too (post-accumulate
+    hooks do not on older torch). Keep the returned accumulators alive while it matters."""
+    held = []
+    for p in params:
+        acc = p.view_as(p).grad_fn.next_functions[0][0]
+        acc.register_hook(lambda grad_inputs, grad_outputs, p=p: fired.append(p))
+        held.append(acc)
+    return held
 
 
 def rss() -> int:
