@@ -245,8 +245,8 @@ FAMILIES_DDP = ("wav2vec2", "bart")
 
 
 def _train(rank, family, how):
-    """STEPS AdamW steps with rank-dependent data and draws: (grads per step, layers run per step,
-    final parameters)."""
+    """STEPS AdamW steps with rank-dependent data and draws: (gradients per step, layers that ran
+    per step, final parameters, every layer)."""
     model, _ = hf_tiny.build(family)  # identical weights on both ranks
     stacks = [model.get_submodule(n) for n in mb_hf.patch(copy.deepcopy(model)).converted]
     layers = [(j, i) for j, o in enumerate(stacks) for i in range(len(o.layers))]
@@ -281,7 +281,7 @@ def _train(rank, family, how):
             h.remove()
         full = {}
         for n, p in model.named_parameters():
-            g = None if p.grad is None else p.grad
+            g = p.grad
             full[n] = None if g is None else (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()
         grads.append(full)
         runs.append(sorted(set(ran)))  # activation checkpointing runs a kept layer twice
