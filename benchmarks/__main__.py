@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 
-SUITES = ["masked", "overhead", "ddp", "nas", "droppath", "kernels", "timm"]
+SUITES = ["masked", "overhead", "ddp", "nas", "droppath", "kernels", "timm", "hf"]
 
 
 def machine(device: str) -> str:

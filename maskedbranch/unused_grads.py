@@ -185,13 +185,35 @@ def _install_global_hook() -> None:
         _hook_handle.append(_optimizer.register_optimizer_step_pre_hook(_before_any_step))
 
 
-def _before_any_step(optimizer, args, kwargs) -> None:
+def _after_closure(optimizer, args: tuple, kwargs: dict, prune) -> Optional[Tuple[tuple, dict]]:
+    """Run ``prune`` now, or after the closure when ``step`` was given one (LBFGS, Lightning's
+    automatic optimization): the closure runs the forward and backward inside ``step``, after
+    the pre-hooks, so pruning before it would see the previous step's usage and no gradients.
+    Returns the (args, kwargs) that the step hook hands back to ``step``."""
+    at = 1 if args and args[0] is optimizer else 0  # the hooks see step's args with self first
+    closure = kwargs.get("closure", args[at] if len(args) > at else None)
+    if not callable(closure):
+        prune()
+        return None
+
+    def closure_then_prune():
+        loss = closure()
+        prune()
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then_prune}
+    return (*args[:at], closure_then_prune, *args[at + 1:]), kwargs
+
+
+def _before_any_step(optimizer, args, kwargs) -> Optional[Tuple[tuple, dict]]:
     if not (dist.is_available() and dist.is_initialized()) or optimizer in _explicit:
-        return
+        return None
     taken = {id(m) for h in _explicit.values() for m in h.modules}
     modules = [m for m in list(_registry) if m.materialize_grads is None and id(m) not in taken]
     if modules:
-        _auto.run(optimizer, modules)
+        return _after_closure(optimizer, args, kwargs, lambda: _auto.run(optimizer, modules))
+    return None
 
 
 class UnusedGradsToNone:
@@ -219,7 +241,10 @@ class UnusedGradsToNone:
     def last_pruned(self) -> int:
         return self._pruner.last_pruned
 
-    def _before_step(self, optimizer, args, kwargs) -> None:
+    def _before_step(self, optimizer, args, kwargs) -> Optional[Tuple[tuple, dict]]:
+        return _after_closure(optimizer, args, kwargs, lambda: self._prune(optimizer))
+
+    def _prune(self, optimizer) -> None:
         if dist.is_available() and dist.is_initialized():
             self._pruner.run(optimizer, self.modules)
         else:  # one process: the bits alone say what ran

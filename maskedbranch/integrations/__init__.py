@@ -3,11 +3,15 @@
 * :mod:`maskedbranch.integrations.timm` - ``patch(model)`` converts the residual blocks of a timm
   model (ViT / DeiT, ConvNeXt, Swin) so that stochastic depth skips the dropped rows' compute.
   Needs timm (``pip install "maskedbranch[timm]"``); importing this package does not import it.
+* :mod:`maskedbranch.integrations.transformers` - ``patch(model)`` makes the LayerDrop of a Hugging
+  Face transformers model (the Wav2Vec2 family, BART / Whisper / Marian / ... encoders and
+  decoders, and more: ``SUPPORTED``) skip the dropped layers' compute and train under DDP with
+  ``find_unused_parameters=False``, with HF's own random draws. Needs transformers.
 * :mod:`maskedbranch.integrations.checkpoint` - ``replay_generators(...)``: a ``context_fn`` for
   ``torch.utils.checkpoint.checkpoint`` that replays the drop masks drawn from user-provided
   ``torch.Generator`` objects during the recomputation.
 """
 
-# The submodules are imported explicitly (``from maskedbranch.integrations import timm``): timm is
-# optional, so nothing is imported here.
+# The submodules are imported explicitly (``from maskedbranch.integrations import timm``): timm and
+# transformers are optional, so nothing is imported here.
 __all__: list = []
