@@ -233,7 +233,7 @@ def route(
     if kind == "int":
         if gate >= 0:
             return _one_branch(table, x, gate, args, kwargs, zeros, base, scale, signatures, where), 1 << gate
-        return _no_branch(table, x, args, kwargs, zeros, base, signatures, where), 0
+        return _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where), 0
 
     plan = _ops.make_plan(gate, n, device=x.device)  # host counts; a device gate reads back once
     weights = gate if gate.dim() == 2 and gate.is_floating_point() else None
@@ -242,7 +242,7 @@ def route(
         i = plan.counts.index(batch)
         return _one_branch(table, x, i, args, kwargs, zeros, base, scale, signatures, where), 1 << i
     if plan.num_entries == 0:
-        return _no_branch(table, x, args, kwargs, zeros, base, signatures, where), 0
+        return _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where), 0
 
     xs = _rows_of(x, plan)
     routed_args, routed_kwargs = route_args(args, kwargs, batch, lambda t: _Parts(_rows_of(t, plan)))
@@ -307,10 +307,12 @@ def _one_branch(table, x, k, args, kwargs, zeros, base, scale, signatures, where
     return _autograd.tie(y, tied, bool(zeros)) if tied else y
 
 
-def _no_branch(table, x, args, kwargs, zeros, base, signatures, where) -> Tensor:
-    """No row reaches any branch: ``base`` (or zeros shaped like the branches' output), with x
-    and every parameter tied in, so that whatever produced x still gets its gradient."""
-    tied = _tied(table, 0, zeros, (x,) if base is None else ())
+def _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where) -> Tensor:
+    """No row reaches any branch: ``base`` (or zeros shaped like the branches' output), with x,
+    the gate's weights, the tensor arguments and every parameter tied in, so that whatever
+    produced them (a router, say) still gets its gradient."""
+    inputs = tuple(t for t in (gate, *args, *kwargs.values()) if isinstance(t, Tensor))
+    tied = _tied(table, 0, zeros, ((x,) if base is None else ()) + inputs)
     if base is not None:
         return _autograd.tie(base, tied, bool(zeros)) if tied else base.clone()
     trailing, dtype = _dead_output_signature(table, signatures, x, args, kwargs, where)
