@@ -210,7 +210,10 @@ class _Checked:
         self.branch = branch
 
     def __call__(self, h: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return _check_branch_output(self.branch(h, *args, **kwargs), h.shape[0], h)
+        return self.check(self.branch(h, *args, **kwargs), h)
+
+    def check(self, y: Any, h: Tensor) -> Tensor:
+        return _check_branch_output(y, h.shape[0], h)
 
 
 def _residual(

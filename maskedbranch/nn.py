@@ -123,17 +123,19 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
             # The per-batch int gate, the common case of routed layers, straight to the branch:
             # route()'s own int path less its argument handling, which costs more than the rest
             # of the call for small branches.
-            y = cache.branches[gate](x)
-            if type(y) is not Tensor or y.dim() == 0 or y.shape[0] != x.shape[0]:
-                _route.check_output(y, f"branches[{gate}]", x.shape[0])
-            if torch.is_grad_enabled():
-                zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch")
-                if zeros is not None:
-                    tied = [p for p in cache.tied(1 << gate) if p.requires_grad]
-                    if tied:
-                        y = _autograd.tie(y, tied, zeros)
-                self._usage.record(1 << gate)
-            return y
+            grad = torch.is_grad_enabled()
+            zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch") if grad else None
+            if not (zeros and _dead_grads.canonical_order()):  # else route() ties at the input
+                y = cache.branches[gate](x)
+                if type(y) is not Tensor or y.dim() == 0 or y.shape[0] != x.shape[0]:
+                    _route.check_output(y, f"branches[{gate}]", x.shape[0])
+                if grad:
+                    if zeros is not None:
+                        tied = [p for p in cache.tied(1 << gate) if p.requires_grad]
+                        if tied:
+                            y = _autograd.tie(y, tied, zeros)
+                    self._usage.record(1 << gate)
+                return y
         _route.check_x(x)
         table = self._branches()
         zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch")
