@@ -285,10 +285,13 @@ def drop_add_residual(
     if not callable(branch):
         raise TypeError(f"branch: expected a callable (a module or a function), got {type(branch).__name__}")
     table = _structure.Branches([_Checked(branch)], params=[_branch_params(branch, params)])
-    return _residual(
+    out, ran = _residual(
         x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
         materialize_grads, "drop_add_residual",
-    )[0]
+    )
+    if materialize_grads is None and isinstance(branch, nn.Module) and torch.is_grad_enabled() and _dead_grads.distributed():
+        unused_grads.record_functional([branch], int(ran))  # for the step-time pruning
+    return out
 
 
 class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):

@@ -174,4 +174,7 @@ def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any
     _route.check_x(x)
     _structure.check_skippable(branch_list, "branches")
     zeros = _dead_grads.tie_policy(None, "masked_branch")
-    return _route.route(_structure.Branches(branch_list), x, gate, args, kwargs, zeros=zeros)[0]
+    out, live_mask = _route.route(_structure.Branches(branch_list), x, gate, args, kwargs, zeros=zeros)
+    if zeros is not None and torch.is_grad_enabled():
+        unused_grads.record_functional(branch_list, live_mask)  # for the step-time pruning
+    return out
