@@ -352,8 +352,8 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
             x, table, args, kwargs, p, self.training, self.mode, self.scale_by_keep, self.generator,
             self.materialize_grads, "ResidualDropPath",
         )
-        if ran and torch.is_grad_enabled() and not isinstance(x, torch.fx.Proxy):
-            self._usage.record(1)
+        if torch.is_grad_enabled() and not isinstance(x, torch.fx.Proxy):
+            self._usage.record(int(ran))  # also when dropped: it notes the DDP model around
         return out
 
     def _unit_modules(self) -> List[nn.Module]:
