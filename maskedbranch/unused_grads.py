@@ -67,6 +67,8 @@ class Usage:
         self.group: Any = None
 
     def record(self, live_mask: int) -> None:
+        """Called by every call with autograd on, whether or not a branch ran (so that every
+        rank notes the same DDP group)."""
         self.bits |= live_mask
         if self.root is None and dist.is_available() and dist.is_initialized():
             ddp = _compat.active_ddp()
@@ -101,8 +103,7 @@ def record_functional(branches: Sequence[Any], live_mask: int) -> None:
             if unit is None:
                 unit = _functional[b] = _Functional(b)
                 _install_global_hook()
-            if live_mask >> i & 1:
-                unit._usage.record(1)
+            unit._usage.record(live_mask >> i & 1)  # also when dead: it notes the DDP model around
 
 
 def _outside_params(root: nn.Module, branch_modules: set) -> set:

@@ -5,6 +5,8 @@
 * ``random_gate``: the gate kinds of MaskedBranch, drawn from a generator.
 * ``run_ranks`` / ``results_of``: real multi-process jobs (spawned, gloo, as torchrun starts them).
 * ``conversions_replace_parameters``: ``.to()`` that replaces parameter objects.
+* ``training_state`` / ``state_diff``: parameters and gradients of a model, compared with a
+  reference model's (the DDP, FSDP2 and pruning tests).
 * ``rss``: resident memory of this process.
 """
 import contextlib
@@ -98,3 +100,29 @@ def rss() -> int:
     """Resident set size of this process in bytes (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def training_state(model) -> dict:
+    """name -> (parameter, gradient or None), copied; DTensors (FSDP2) as full tensors (a
+    collective: every rank calls it in the same order)."""
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    return {
+        k: (full(p.detach()).clone(), None if p.grad is None else full(p.grad.detach()).clone())
+        for k, p in model.named_parameters()
+    }
+
+
+def state_diff(a: dict, b: dict):
+    """(largest difference between the parameters and gradients of two training states, names
+    whose gradient is None in one and not the other)."""
+    worst, none_mismatch = 0.0, []
+    for k, (p, g) in a.items():
+        q, h = b[k]
+        worst = max(worst, float((p - q).abs().max()))
+        if (g is None) != (h is None):
+            none_mismatch.append(k)
+        elif g is not None:
+            worst = max(worst, float((g - h).abs().max()))
+    return worst, none_mismatch
