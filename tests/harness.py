@@ -7,6 +7,7 @@
 * ``conversions_replace_parameters``: ``.to()`` that replaces parameter objects.
 * ``training_state`` / ``state_diff``: parameters and gradients of a model, compared with a
   reference model's (the DDP, FSDP2 and pruning tests).
+* ``SkipBlock``: the residual block ResidualDropPath replaces (skips the dropped rows' branch).
 * ``rss``: resident memory of this process.
 """
 import contextlib
@@ -126,3 +127,23 @@ def state_diff(a: dict, b: dict):
         elif g is not None:
             worst = max(worst, float((g - h).abs().max()))
     return worst, none_mismatch
+
+
+class SkipBlock(torch.nn.Module):
+    """The code ResidualDropPath replaces: draw as it does (host Bernoulli draws from
+    ``generator``), then skip the branch for the dropped rows ("row") or batch ("batch"):
+    ``x + branch(x) / keep_prob`` where kept, ``x`` elsewhere."""
+
+    def __init__(self, branch, drop_prob, mode, generator):
+        super().__init__()
+        self.branch, self.drop_prob, self.mode, self.generator = branch, drop_prob, mode, generator
+
+    def forward(self, x):
+        keep = 1.0 - self.drop_prob
+        if self.mode == "batch":
+            kept = bool(torch.empty(1).bernoulli_(keep, generator=self.generator)[0])
+            return x + self.branch(x) * (1 / keep) if kept else x
+        rows = torch.empty(x.shape[0]).bernoulli_(keep, generator=self.generator).nonzero().flatten()
+        if rows.numel() == 0:
+            return x
+        return x.index_add(0, rows, self.branch(x.index_select(0, rows)) * (1 / keep))

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import maskedbranch as mb
 
-from harness import results_of, run_ranks, state_diff, training_state
+from harness import SkipBlock, results_of, run_ranks, state_diff, training_state
 
 WORLD = 4
 STEPS = 6
@@ -36,24 +36,6 @@ pytestmark = [
 
 def make_branch():
     return nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
-
-
-class SkipBlock(nn.Module):
-    """The code ResidualDropPath replaces: draw as it does, then skip the dropped rows' branch."""
-
-    def __init__(self, branch, drop_prob, mode, generator):
-        super().__init__()
-        self.branch, self.drop_prob, self.mode, self.generator = branch, drop_prob, mode, generator
-
-    def forward(self, x):
-        keep = 1.0 - self.drop_prob
-        if self.mode == "batch":
-            kept = bool(torch.empty(1).bernoulli_(keep, generator=self.generator)[0])
-            return x + self.branch(x) * (1 / keep) if kept else x
-        rows = torch.empty(x.shape[0]).bernoulli_(keep, generator=self.generator).nonzero().flatten()
-        if rows.numel() == 0:
-            return x
-        return x.index_add(0, rows, self.branch(x.index_select(0, rows)) * (1 / keep))
 
 
 def generator(seed):
