@@ -372,7 +372,34 @@ def shared_without_ddp(rank, group):
     return {"trunk": trunk.weight.grad is not None, "bias2": branches[2].bias.grad is None}
 
 
-CASES = {"without_ddp": without_ddp, "explicit_under_ddp": explicit_under_ddp, "shared_without_ddp": shared_without_ddp}
+def shared_under_ddp(rank, group):
+    """The same sharing under DDP, automatic setting: DDP tells the model, the trunk's weight
+    is kept while the unused branch's own bias is pruned."""
+    torch.manual_seed(7)
+    trunk, branches = nn.Linear(D, D), [nn.Linear(D, D) for _ in range(N)]
+    branches[2].weight = trunk.weight
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk, self.mb = trunk, MaskedBranch(branches)
+
+        def forward(self, x, gate):
+            return self.mb(self.trunk(x), gate)
+
+    model = DDP(M(), process_group=group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, D), rank).sum().backward()
+    opt.step()
+    return {"trunk": trunk.weight.grad is not None, "bias2": branches[2].bias.grad is None}
+
+
+CASES = {
+    "without_ddp": without_ddp,
+    "explicit_under_ddp": explicit_under_ddp,
+    "shared_without_ddp": shared_without_ddp,
+    "shared_under_ddp": shared_under_ddp,
+}
 
 
 def _worker(rank, world, init_file, out_dir):
@@ -417,6 +444,7 @@ def test_explicit_handle_under_ddp(ranks):
 
 
 @pytest.mark.distributed
-def test_shared_parameter_named_model(ranks):
-    for r, res in enumerate(results_of(ranks, "shared_without_ddp")):
+@pytest.mark.parametrize("case", ["shared_without_ddp", "shared_under_ddp"])
+def test_parameter_shared_with_the_trunk_is_kept(ranks, case):
+    for r, res in enumerate(results_of(ranks, case)):
         assert res == {"trunk": True, "bias2": True}, f"rank {r}: {res}"
