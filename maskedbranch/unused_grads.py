@@ -27,7 +27,7 @@ Parameters that a branch shares with the rest of the model are never pruned when
 known: the DDP module around the routing modules, or ``model`` given to
 :func:`unused_grads_to_none` (FSDP2 and hand-written averaging need the latter for such sharing).
 A distributed job whose ranks do not average these parameters (each rank trains its own model)
-should say so with ``materialize_grads=False``: no tie outside DDP's forward, no pruning.
+should say so with ``materialize_grads=False``: undefined gradients as with if/else, no pruning.
 """
 from __future__ import annotations
 
