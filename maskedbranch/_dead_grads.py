@@ -22,16 +22,34 @@ refuse ``False`` in the forward, FSDP2 at the first optimizer step (unused_grads
 DDP's Python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``, which compiled
 autograd requires) all-reduces each parameter as soon as its gradient is accumulated, so every
 rank must accumulate them in the same order whatever its branches did: :func:`canonical_order`
-tells the routing path to tie all the branches' parameters to the branches' input instead
-(maskedbranch/_route.py), where they all become ready at once, in branch order.
+tells the routing path to run the branches on aliases of their parameters made by one node
+(maskedbranch/_route.py), where all the gradients leave the graph at once, in branch order.
+
+:func:`as_if_under_ddp` makes one process tie as DDP does, for ``maskedbranch.doctor``, whose
+simulated ranks must see the graph that a DDP job would see.
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
 from . import _compat
+
+
+_as_if_ddp = [False]
+
+
+@contextlib.contextmanager
+def as_if_under_ddp() -> Iterator[None]:
+    """Inside, the default policy ties as under DDP without static_graph (undefined gradients)
+    even in one process."""
+    before, _as_if_ddp[0] = _as_if_ddp[0], True
+    try:
+        yield
+    finally:
+        _as_if_ddp[0] = before
 
 
 def distributed() -> bool:
@@ -60,7 +78,7 @@ def tie_policy(explicit: Optional[bool], where: str) -> Optional[bool]:
                 )
         return explicit
     if not distributed():
-        return None
+        return False if _as_if_ddp[0] else None
     ddp = _compat.active_ddp()
     return ddp is None or bool(getattr(ddp, "static_graph", False))
 

@@ -267,11 +267,14 @@ def route(
 
     plan = _ops.make_plan(gate, n, device=x.device)  # host counts; a device gate reads back once
     weights = gate if gate.dim() == 2 and gate.is_floating_point() else None
-    if weights is None and batch > 0 and plan.num_entries == batch and batch in plan.counts:
+    # torch.export traces with the counts unknown (symbolic): no shortcut can depend on them,
+    # and every branch runs on its rows, however many there turn out to be (none included).
+    known = type(plan.rows.shape[0]) is int  # (not a SymInt)
+    if known and weights is None and batch > 0 and plan.num_entries == batch and batch in plan.counts:
         # Every row goes to one branch, in order: run it on x itself (no gather, no copy).
         i = plan.counts.index(batch)
         return _one_branch(table, x, i, args, kwargs, zeros, base, scale, signatures, where), 1 << i
-    if plan.num_entries == 0:
+    if known and plan.num_entries == 0:
         return _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where), 0
 
     x_in, aliases, zeros = _aliases(table, x, zeros, where)
@@ -279,7 +282,7 @@ def route(
     routed_args, routed_kwargs = route_args(args, kwargs, batch, lambda t: _Parts(_rows_of(t, plan)))
     live: Dict[int, Tensor] = {}
     for i, c in enumerate(plan.counts):
-        if c == 0:
+        if known and c == 0:
             continue  # the branch never sees a row
         a = tuple(v.parts[i] if isinstance(v, _Parts) else v for v in routed_args)
         kw = {k: v.parts[i] if isinstance(v, _Parts) else v for k, v in routed_kwargs.items()}
@@ -299,6 +302,56 @@ def route(
     live_mask = sum(1 << i for i in live)
     out = _autograd.combine(ys, plan, weights=weights, base=base, tied=_tied(table, live_mask, zeros), zeros=bool(zeros))
     return out, live_mask
+
+
+# ----------------------------------------------------------------------------------------------
+# Symbolic tracing (torch.fx): x or the gate is a Proxy, so which rows reach which branch is not
+# known while the graph is built. The graph gets the dense formula instead,
+# ``sum_i g[:, i] * branch_i(x, ...)`` with every branch run on every row: the routed result for
+# branches that treat rows independently (the gradient of a zero gate weight differs, as in
+# docs/design.md), at the cost of running every branch. The two helpers are wrapped, so each is
+# one graph node and reads the gate when the graph runs.
+
+
+def dense_weights(gate: Any, x: Tensor, n: int) -> Tensor:
+    """The gate as ``[B, n]`` coefficients in x's dtype (checked as :func:`route` checks it)."""
+    kind, gate = normalize_gate(gate, x, n)
+    if kind == "int":
+        w = x.new_zeros((x.shape[0], n))
+        if gate >= 0:
+            w[:, gate] = 1
+        return w
+    if gate.dim() == 1:
+        if gate.numel() and not bool(((gate >= -1) & (gate < n)).all()):
+            raise IndexError(f"gate: branch ids must lie in -1 (no branch) to {n - 1}")
+        gate = gate.to(x.device)[:, None] == torch.arange(n, device=x.device)
+    return gate.to(device=x.device, dtype=x.dtype)
+
+
+def dense_term(w: Tensor, i: int, y: Tensor) -> Tensor:
+    """``w[:, i] * y``, broadcast over y's trailing dimensions."""
+    return y * w[:, i].to(y.dtype).reshape((-1,) + (1,) * (y.dim() - 1))
+
+
+torch.fx.wrap("dense_weights")
+torch.fx.wrap("dense_term")
+
+
+def traced(x: Any, gate: Any) -> bool:
+    return isinstance(x, torch.fx.Proxy) or isinstance(gate, torch.fx.Proxy)
+
+
+def route_traced(branches: Sequence[Callable], x: Any, gate: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """The graph of :func:`route` under symbolic tracing: a constant int gate runs its branch,
+    any other gate the dense formula."""
+    if type(gate) is int and 0 <= gate < len(branches):
+        return branches[gate](x, *args, **kwargs)
+    w = dense_weights(gate, x, len(branches))
+    out = None
+    for i, branch in enumerate(branches):
+        term = dense_term(w, i, branch(x, *args, **kwargs))
+        out = term if out is None else out + term
+    return out
 
 
 class _Parts:

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _dead_grads, _route, _structure, unused_grads
+from ._args import check_per_row_devices
 
 __all__ = ["drop_path", "DropPath", "drop_add_residual", "ResidualDropPath"]
 
@@ -128,7 +129,9 @@ def drop_path(
         mask = torch.empty(shape, dtype=x.dtype).bernoulli_(keep_prob, generator=generator)
         mask = mask.to(x.device, non_blocking=True)
     if keep_prob > 0.0 and scale_by_keep:
-        mask.div_(keep_prob)
+        # The result is used, so that a torch.fx graph keeps the division: dead-code
+        # elimination (create_feature_extractor runs it) drops an in-place op whose result is unused.
+        mask = mask.div_(keep_prob)
     return x * mask
 
 
@@ -137,7 +140,9 @@ class DropPath(nn.Module):
     repr and results) with torchvision's ``mode="batch"`` as well. ``generator``: an optional CPU
     ``torch.Generator`` the masks are drawn from.
 
-    Scripting (``torch.jit.script``) gives the same formula drawing from the default generator.
+    ``torch.jit.script`` compiles the module itself (as it compiles timm's): the same formula,
+    drawing from the default generator of x's device. Symbolic tracing (``torch.fx``) records
+    the formula's ops, as for timm's.
     """
 
     def __init__(
@@ -154,6 +159,8 @@ class DropPath(nn.Module):
         self.generator = _check_generator(generator)
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.jit.is_scripting():  # TorchScript compiles this branch alone
+            return _scriptable_drop_path(x, float(self.drop_prob), self.training, self.scale_by_keep, self.mode)
         return drop_path(x, self.drop_prob, self.training, self.scale_by_keep, self.mode, self.generator)
 
     def extra_repr(self) -> str:
@@ -161,31 +168,25 @@ class DropPath(nn.Module):
         return s if self.mode == "row" else s + f", mode={self.mode}"
 
     def __prepare_scriptable__(self) -> nn.Module:
-        return _ScriptableDropPath(float(self.drop_prob), bool(self.scale_by_keep), self.mode, self.training)
+        # The module scripts as it is (a replacement returned here would also take its place in
+        # the Python model). TorchScript types attributes by value: a numpy scalar has no type.
+        if not isinstance(self.drop_prob, (int, float)):
+            self.drop_prob = float(self.drop_prob)
+        return self
 
 
-class _ScriptableDropPath(nn.Module):
-    """What ``torch.jit.script`` compiles in place of :class:`DropPath`: the same formula, drawing
-    from the default generator of x's device."""
-
-    def __init__(self, drop_prob: float, scale_by_keep: bool, mode: str, training: bool):
-        super().__init__()
-        self.drop_prob = drop_prob
-        self.scale_by_keep = scale_by_keep
-        self.mode = mode
-        self.train(training)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.drop_prob == 0.0 or not self.training:
-            return x
-        keep_prob = 1.0 - self.drop_prob
-        shape = [1] * x.dim()
-        if self.mode == "row":
-            shape[0] = x.shape[0]
-        mask = x.new_empty(shape).bernoulli_(keep_prob)
-        if keep_prob > 0.0 and self.scale_by_keep:
-            mask.div_(keep_prob)
-        return x * mask
+def _scriptable_drop_path(x: Tensor, drop_prob: float, training: bool, scale_by_keep: bool, mode: str) -> Tensor:
+    """:func:`drop_path` as TorchScript compiles it: the same formula, from the default generator."""
+    if drop_prob == 0.0 or not training:
+        return x
+    keep_prob = 1.0 - drop_prob
+    shape = [1] * x.dim()
+    if mode == "row":
+        shape[0] = x.shape[0]
+    mask = x.new_empty(shape).bernoulli_(keep_prob)
+    if keep_prob > 0.0 and scale_by_keep:
+        mask = mask.div_(keep_prob)
+    return x * mask
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,10 +233,15 @@ def _residual(
     """The output, and whether the branch ran."""
     if drop_prob == 0.0 or not training or isinstance(x, torch.fx.Proxy):
         # Nothing dropped, or symbolic tracing (which cannot follow data-dependent routing): the
-        # dense formula.
+        # dense formula. Under tracing shapes are unknown: the branch itself, without the check
+        # of its output's shape.
         branch = table.branches[0]
+        if isinstance(x, torch.fx.Proxy):
+            branch = branch.branch
         y = branch(x, *args, **kwargs)
         return x + drop_path(y, drop_prob, training, scale_by_keep, mode, generator), True
+    if args or kwargs:  # before the draw: a refused call leaves the generator where it was
+        check_per_row_devices(args, kwargs, x)
     keep_prob = 1.0 - float(drop_prob)
     scale = _keep_scale(keep_prob, scale_by_keep, x.dtype)
     gate: Any
@@ -260,7 +266,7 @@ def drop_add_residual(
     args: Sequence[Any] = (),
     kwargs: Optional[Dict[str, Any]] = None,
     params: Optional[Iterable[Tensor]] = None,
-    materialize_grads: Optional[bool] = None,
+    materialize_grads: Optional[bool] = True,
 ) -> Tensor:
     """``x + drop_path(branch(x), drop_prob, training, scale_by_keep, mode)``, computing the
     branch only where it counts.
@@ -271,8 +277,12 @@ def drop_add_residual(
     * ``"batch"``: the branch runs on the whole batch or not at all.
 
     When the branch does not run, its parameters (``branch.parameters()`` for a module or a
-    bound method of one, else ``params``) still get a gradient, so DDP works with
-    ``find_unused_parameters=False``; ``materialize_grads`` as for :class:`MaskedBranch`.
+    bound method of one, else ``params``) still get a gradient: zeros, exactly what the dense
+    formula gives them (``materialize_grads=True``, the default; in every setting, one process
+    included), so training equals timm's and DDP works with ``find_unused_parameters=False``.
+    ``materialize_grads=False``: undefined gradients (DDP fills zeros); ``None``: as
+    :class:`MaskedBranch` (if/else semantics: no gradient in one process, and unused branches'
+    gradients reset to ``None`` before distributed optimizer steps).
     ``args`` / ``kwargs`` go to the branch; tensors whose first dimension is the batch are
     routed with ``x``. The mask is drawn on the host (``generator``: a CPU ``torch.Generator``;
     default: torch's default CPU generator). The branch must treat rows independently for the
@@ -284,6 +294,8 @@ def drop_add_residual(
     generator = _check_generator(generator)
     if not callable(branch):
         raise TypeError(f"branch: expected a callable (a module or a function), got {type(branch).__name__}")
+    if training and p > 0 and isinstance(branch, nn.Module):
+        _structure.check_skippable([branch], "branch")  # the policy of every routing module
     table = _structure.Branches([_Checked(branch)], params=[_branch_params(branch, params)])
     out, ran = _residual(
         x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
@@ -302,11 +314,16 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
     Extra positional / keyword tensors whose first dimension is the batch are routed with ``x``
     (an attention mask, per-sample conditioning); other arguments pass through unchanged.
     ``generator`` (keyword only): an optional CPU ``torch.Generator`` for the masks.
-    ``materialize_grads`` (keyword only): as for :class:`MaskedBranch` (default: automatic).
+    ``materialize_grads`` (keyword only): as for :func:`drop_add_residual` (default ``True``: a
+    skipped branch's parameters get zero gradients, as timm's dense formula gives them).
 
     Branches that run collectives (``SyncBatchNorm``, DDP/FSDP units, DTensor parameters) cannot
     be skipped on one rank while the others run them; they are refused in training with
-    ``drop_prob > 0``. Symbolic tracing (``torch.fx``) and scripting give the dense formula.
+    ``drop_prob > 0``. Symbolic tracing (``torch.fx``) records the dense formula
+    ``x + drop_path(branch(x))`` (which rows are kept is data the trace cannot see).
+    ``torch.jit.script`` compiles that dense formula for ``forward(x)``; as for any module with
+    ``__prepare_scriptable__``, torch also puts the dense form in this module's place in the
+    Python model it was given, so script a ``copy.deepcopy`` of a model you keep training.
     """
 
     def __init__(
@@ -317,7 +334,7 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
         scale_by_keep: bool = True,
         *,
         generator: Optional[torch.Generator] = None,
-        materialize_grads: Optional[bool] = None,
+        materialize_grads: Optional[bool] = True,
     ) -> None:
         super().__init__()
         if not isinstance(branch, nn.Module):
@@ -337,7 +354,9 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
     def _table(self) -> _structure.Branches:
         cache = self._cache
         if not _structure.current(cache):
-            cache = self._cache = _structure.Branches([_Checked(self.branch)], _structure.version(), [tuple(self.branch.parameters())])
+            cache = _structure.Branches([_Checked(self.branch)], _structure.version(), [tuple(self.branch.parameters())])
+            if not torch.compiler.is_compiling():  # torch.export (strict) refuses module mutation
+                self._cache = cache
         return cache
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:

@@ -75,6 +75,13 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
 
     When no row reaches any branch the output is zeros ``[B, *trailing]``, shaped as the branches
     returned for inputs like these before, or as a branch returns on meta tensors.
+
+    Graphs: ``torch.export.export`` keeps the routing: an int gate's branch, or for a tensor
+    gate every branch on its rows, none included (non-strict export only, ``strict=False``;
+    not on torch 2.6, whose fake tensors cannot size the routed rows). ``torch.fx.symbolic_trace`` cannot see which rows go where: it records a constant
+    int gate's branch, and for any other gate the dense formula ``sum_i g[:, i] * branch_i(x)``
+    (every branch on every row: the same output for branches that treat rows independently).
+    ``torch.jit.script`` is refused with a message (see ``__prepare_scriptable__``).
     """
 
     def __init__(self, branches: Iterable[nn.Module], *, materialize_grads: Optional[bool] = None):
@@ -84,8 +91,15 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
         self._cache: Optional[_structure.Branches] = None
         self._signatures = _route.Signatures()
         self._usage = unused_grads.Usage()
-        self._register_load_state_dict_pre_hook(_load_old_layout)
+        self.register_load_state_dict_pre_hook(_load_old_layout)
         unused_grads.register(self)
+
+    def __getitem__(self, idx):
+        # A slice is a list of branches, as nn.ModuleList gives it, not a second router (which
+        # an empty slice could not even construct).
+        if isinstance(idx, slice):
+            return nn.ModuleList(list(self._modules.values())[idx])
+        return super().__getitem__(idx)
 
     # ModuleList edits that register nothing must still refresh the cached structure.
     def __delitem__(self, idx) -> None:
@@ -104,7 +118,9 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
         cache = self._cache
         if not _structure.current(cache):
             _structure.check_skippable(list(self._modules.values()), "branches")
-            cache = self._cache = _structure.Branches(self._modules.values(), _structure.version())
+            cache = _structure.Branches(self._modules.values(), _structure.version())
+            if not torch.compiler.is_compiling():  # torch.export (strict) refuses module mutation
+                self._cache = cache
         return cache
 
     def _unit_modules(self) -> List[nn.Module]:
@@ -125,7 +141,7 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
             # of the call for small branches.
             grad = torch.is_grad_enabled()
             zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch") if grad else None
-            if not (zeros and _dead_grads.canonical_order()):  # else route() ties at the input
+            if not (zeros and _dead_grads.canonical_order()):  # else route() runs on aliases
                 y = cache.branches[gate](x)
                 if type(y) is not Tensor or y.dim() == 0 or y.shape[0] != x.shape[0]:
                     _route.check_output(y, f"branches[{gate}]", x.shape[0])
@@ -136,6 +152,8 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
                             y = _autograd.tie(y, tied, zeros)
                     self._usage.record(1 << gate)
                 return y
+        if _route.traced(x, gate):
+            return _route.route_traced(list(self._modules.values()), x, gate, args, kwargs)
         _route.check_x(x)
         table = self._branches()
         zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch")
@@ -145,6 +163,14 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
         if torch.is_grad_enabled():
             self._usage.record(live_mask)
         return out
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        raise RuntimeError(
+            "MaskedBranch: torch.jit.script cannot compile it (its forward takes a gate of several "
+            "kinds and extra arguments, and routes on the gate's values). For a graph of the model use "
+            "torch.export.export(model.eval(), args) or torch.compile(model); torch.fx.symbolic_trace "
+            "records the dense formula (every branch on every row)."
+        )
 
     def extra_repr(self) -> str:
         return "" if self.materialize_grads is None else f"materialize_grads={self.materialize_grads}"
@@ -157,7 +183,7 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
         unused_grads.register(self)
 
 
-def _load_old_layout(state_dict, prefix, *_args) -> None:
+def _load_old_layout(module, state_dict, prefix, *_args) -> None:
     """Checkpoints of maskedbranch < 0.2 stored the branches under ``branches.``: map them to the
     ModuleList layout (``prefix.0.weight``)."""
     old = prefix + "branches."
@@ -171,6 +197,8 @@ def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any
     automatic gradient policy). Without a module to remember them, output signatures are not
     kept: a call where no row reaches any branch infers the output shape on meta tensors."""
     branch_list = _as_branch_list(branches, callables=True)
+    if _route.traced(x, gate):
+        return _route.route_traced(branch_list, x, gate, args, kwargs)
     _route.check_x(x)
     _structure.check_skippable(branch_list, "branches")
     zeros = _dead_grads.tie_policy(None, "masked_branch")

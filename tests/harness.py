@@ -5,9 +5,11 @@
 * ``random_gate``: the gate kinds of MaskedBranch, drawn from a generator.
 * ``run_ranks`` / ``results_of``: real multi-process jobs (spawned, gloo, as torchrun starts them).
 * ``conversions_replace_parameters``: ``.to()`` that replaces parameter objects.
+* ``accumulator_hooks``: hooks where DDP's reducer learns that a gradient is ready.
 * ``training_state`` / ``state_diff``: parameters and gradients of a model, compared with a
   reference model's (the DDP, FSDP2 and pruning tests).
-* ``SkipBlock``: the residual block ResidualDropPath replaces (skips the dropped rows' branch).
+* ``ReferenceResidual``: the residual blocks ResidualDropPath replaces (timm's dense formula, or
+  the block that skips its dropped rows' branch), drawing as it draws.
 * ``rss``: resident memory of this process.
 """
 import contextlib
@@ -97,6 +99,18 @@ def conversions_replace_parameters():
         torch.__future__.set_overwrite_module_params_on_conversion(before)
 
 
+def accumulator_hooks(params, fired: list) -> list:
+    """Append each parameter to ``fired`` when its gradient accumulator runs: where DDP's reducer
+    learns that a gradient is ready, which fires for an undefined gradient too (post-accumulate
+    hooks do not on older torch). Keep the returned accumulators alive while it matters."""
+    held = []
+    for p in params:
+        acc = p.view_as(p).grad_fn.next_functions[0][0]
+        acc.register_hook(lambda grad_inputs, grad_outputs, p=p: fired.append(p))
+        held.append(acc)
+    return held
+
+
 def rss() -> int:
     """Resident set size of this process in bytes (Linux)."""
     with open("/proc/self/statm") as f:
@@ -129,21 +143,26 @@ def state_diff(a: dict, b: dict):
     return worst, none_mismatch
 
 
-class SkipBlock(torch.nn.Module):
-    """The code ResidualDropPath replaces: draw as it does (host Bernoulli draws from
-    ``generator``), then skip the branch for the dropped rows ("row") or batch ("batch"):
-    ``x + branch(x) / keep_prob`` where kept, ``x`` elsewhere."""
+class ReferenceResidual(torch.nn.Module):
+    """The code ResidualDropPath replaces, drawing as it does (host Bernoulli draws from
+    ``generator``, per row or per batch): ``dense=True``: timm's ``x + drop_path(branch(x))``
+    (every row through the branch, dropped ones times 0: zero gradients when all are dropped);
+    ``dense=False``: the block that skips the dropped rows' branch (``x + branch(x) / keep_prob``
+    on the kept rows; no gradient at all when none is kept)."""
 
-    def __init__(self, branch, drop_prob, mode, generator):
+    def __init__(self, branch, drop_prob, mode, generator, dense):
         super().__init__()
-        self.branch, self.drop_prob, self.mode, self.generator = branch, drop_prob, mode, generator
+        self.branch, self.drop_prob, self.mode, self.generator, self.dense = branch, drop_prob, mode, generator, dense
 
     def forward(self, x):
         keep = 1.0 - self.drop_prob
-        if self.mode == "batch":
-            kept = bool(torch.empty(1).bernoulli_(keep, generator=self.generator)[0])
-            return x + self.branch(x) * (1 / keep) if kept else x
-        rows = torch.empty(x.shape[0]).bernoulli_(keep, generator=self.generator).nonzero().flatten()
+        mask = torch.empty(x.shape[0] if self.mode == "row" else 1).bernoulli_(keep, generator=self.generator)
+        if self.dense:
+            scale = (mask.to(x.dtype) * (1 / keep)).reshape((-1,) + (1,) * (x.dim() - 1))
+            return x + self.branch(x) * scale
+        rows = mask.nonzero().flatten() if self.mode == "row" else torch.arange(x.shape[0] if mask[0] else 0)
         if rows.numel() == 0:
             return x
+        if rows.numel() == x.shape[0]:
+            return x + self.branch(x) * (1 / keep)
         return x.index_add(0, rows, self.branch(x.index_select(0, rows)) * (1 / keep))

@@ -1,7 +1,8 @@
-"""Activation checkpointing (torch.utils.checkpoint, non-reentrant) around MaskedBranch,
+"""Activation checkpointing (torch.utils.checkpoint, reentrant and not) around MaskedBranch,
 ResidualDropPath, DropPath and drop_add_residual: the same outputs and gradients as without
-checkpointing, with the routing plan and the drop mask replayed identically in the recomputation
-(checked by recording what the branches receive in the forward and in the recomputation)."""
+checkpointing (bitwise), with the routing plan and the drop mask replayed identically in the
+recomputation (checked by recording what the branches receive in the forward and in the
+recomputation), and replay_generators for generators of the user's own."""
 import copy
 
 import pytest
@@ -10,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 import maskedbranch as mb
+from harness import GPU
 from maskedbranch.integrations.checkpoint import replay_generators
 
 D = 6
@@ -26,7 +28,8 @@ class Recorder(nn.Module):
         self.seen = []
 
     def forward(self, x):
-        self.seen.append(x.detach().clone())
+        if x.device.type != "meta":  # (not the probe of an all-dead call's output shape)
+            self.seen.append(x.detach().clone())
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
@@ -40,19 +43,27 @@ def assert_same(a, b):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
 
 
-def run(module, x, *args, ckpt=False, seed=0, context_fn=None, loss_weight=None):
-    """Forward + backward; returns (out, grad of x, grads of module (None as zeros), names of the
-    parameters whose grad is None)."""
-    module.zero_grad(set_to_none=True)
+CKPT = ["plain", "reentrant"]  # checkpoint(..., use_reentrant=False / True)
+
+
+def run(module, x, *args, ckpt=None, seed=0, context_fn=None):
+    """Forward + backward, checkpointed with ``ckpt`` ("plain", "reentrant") or not (None);
+    returns (out, grad of x, grads of module (None as zeros), names of the parameters whose
+    grad is None)."""
+    if isinstance(module, nn.Module):
+        module.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
     torch.manual_seed(seed)
     if ckpt:
         kw = {} if context_fn is None else {"context_fn": context_fn}
-        out = checkpoint(module, x, *args, use_reentrant=False, **kw)
+        out = checkpoint(module, x, *args, use_reentrant=ckpt == "reentrant", **kw)
     else:
         out = module(x, *args)
     w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
-    (out * w).sum().backward()
+    if out.requires_grad:  # (not when nothing ran and nothing is tied, as with if/else)
+        (out * w).sum().backward()
+    if not isinstance(module, nn.Module):
+        return out.detach(), x.grad
     undefined = frozenset(k for k, p in module.named_parameters() if p.grad is None)
     return out.detach(), x.grad, grads(module), undefined
 
@@ -76,18 +87,26 @@ def gates(n=3):
 # MaskedBranch
 
 
-@pytest.mark.parametrize("materialize", [False, True])
+@pytest.mark.parametrize("ckpt", CKPT)
+@pytest.mark.parametrize("materialize", [None, False, True])
 @pytest.mark.parametrize("kind", list(gates()))
-def test_masked_branch_same_gradients(kind, materialize):
+def test_masked_branch_same_gradients(kind, materialize, ckpt):
     torch.manual_seed(0)
     module = mb.MaskedBranch([Recorder() for _ in range(3)], materialize_grads=materialize).double()
     x = torch.randn(B, D, dtype=torch.float64)
     gate = gates()[kind]
     module(x, gate)  # first call (checks the branches on meta tensors) out of the way
     want = run(module, x, gate)
-    for b in module.branches:
+    for b in module:
         b.seen.clear()
-    got = run(module, x, gate, ckpt=True)
+    if kind == "all_dead" and materialize is None and ckpt == "reentrant":
+        # nothing ran and nothing is tied: the output does not depend on x, which reentrant
+        # checkpointing refuses, for the if/else model (zeros) as for this one
+        for fn in (module, lambda x, gate: torch.zeros_like(x)):
+            with pytest.raises(RuntimeError, match="none of output has requires_grad"):
+                run(fn, x, gate, ckpt=ckpt)
+        return
+    got = run(module, x, gate, ckpt=ckpt)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
     assert_same(got[2], want[2])
@@ -96,13 +115,14 @@ def test_masked_branch_same_gradients(kind, materialize):
     if materialize:
         assert not got[3]
     # the plan replayed: every branch that ran got the same rows twice (forward, recomputation)
-    for b in module.branches:
+    for b in module:
         assert len(b.seen) in (0, 2), len(b.seen)
         if b.seen:
             assert torch.equal(b.seen[0], b.seen[1])
 
 
-def test_masked_branch_weights_gradient_and_router():
+@pytest.mark.parametrize("ckpt", CKPT)
+def test_masked_branch_weights_gradient_and_router(ckpt):
     """A learned router inside the checkpointed region: gate weights get the same gradients."""
     torch.manual_seed(0)
 
@@ -121,14 +141,15 @@ def test_masked_branch_weights_gradient_and_router():
     module = Routed().double()
     x = torch.randn(B, D, dtype=torch.float64)
     want = run(module, x)
-    got = run(module, x, ckpt=True)
+    got = run(module, x, ckpt=ckpt)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
     assert_same(got[2], want[2])
     assert torch.count_nonzero(got[2]["router.weight"]) > 0
 
 
-def test_masked_branch_function_form():
+@pytest.mark.parametrize("ckpt", CKPT)
+def test_masked_branch_function_form(ckpt):
     torch.manual_seed(0)
     branches = nn.ModuleList([Recorder() for _ in range(2)]).double()
     x = torch.randn(B, D, dtype=torch.float64)
@@ -138,10 +159,10 @@ def test_masked_branch_function_form():
         return mb.masked_branch(list(branches), x, gate)
 
     outs = []
-    for ckpt in (False, True):
+    for checkpointed in (False, True):
         branches.zero_grad(set_to_none=True)
         xx = x.clone().requires_grad_()
-        out = checkpoint(fn, xx, gate, use_reentrant=False) if ckpt else fn(xx, gate)
+        out = checkpoint(fn, xx, gate, use_reentrant=ckpt == "reentrant") if checkpointed else fn(xx, gate)
         out.square().sum().backward()
         outs.append((out.detach(), xx.grad, grads(branches)))
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
@@ -153,16 +174,18 @@ def test_masked_branch_function_form():
 # ResidualDropPath / drop_add_residual / DropPath: the mask is drawn again in the recomputation.
 
 
+@pytest.mark.parametrize("ckpt", CKPT)
+@pytest.mark.parametrize("materialize", [None, True])
 @pytest.mark.parametrize("mode", ["row", "batch"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_residual_drop_path_default_generator_replays(mode, seed):
+def test_residual_drop_path_default_generator_replays(mode, seed, materialize, ckpt):
     torch.manual_seed(0)
-    module = mb.ResidualDropPath(Recorder(), 0.5, mode=mode).double().train()
+    module = mb.ResidualDropPath(Recorder(), 0.5, mode=mode, materialize_grads=materialize).double().train()
     x = torch.randn(B, D, dtype=torch.float64)
     want = run(module, x, seed=seed)
     n_plain = len(module.branch.seen)
     module.branch.seen.clear()
-    got = run(module, x, ckpt=True, seed=seed)
+    got = run(module, x, ckpt=ckpt, seed=seed)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
     assert_same(got[2], want[2])
@@ -170,6 +193,7 @@ def test_residual_drop_path_default_generator_replays(mode, seed):
     assert len(seen) == 2 * n_plain  # ran in the forward and in the recomputation, or in neither
     if seen:
         assert torch.equal(seen[0], seen[1])  # the same kept rows
+    assert got[3] == want[3]  # a skipped branch's parameters: zeros or None, as without checkpointing
 
 
 def test_residual_drop_path_rows_really_dropped():
@@ -185,7 +209,8 @@ def test_residual_drop_path_rows_really_dropped():
     assert any(0 < s < B for s in sizes), sizes
 
 
-def test_drop_add_residual_and_drop_path_in_checkpoint():
+@pytest.mark.parametrize("ckpt", CKPT)
+def test_drop_add_residual_and_drop_path_in_checkpoint(ckpt):
     torch.manual_seed(0)
     branch = Recorder().double()
     dp = mb.DropPath(0.4).train()
@@ -203,7 +228,7 @@ def test_drop_add_residual_and_drop_path_in_checkpoint():
     x = torch.randn(B, D, dtype=torch.float64)
     for seed in range(3):
         want = run(block, x, seed=seed)
-        got = run(block, x, ckpt=True, seed=seed)
+        got = run(block, x, ckpt=ckpt, seed=seed)
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
         assert_same(got[2], want[2])
@@ -226,7 +251,7 @@ def test_user_generator_needs_replay_generators():
     gen.manual_seed(7)
     module.branch.seen.clear()
     try:
-        got = run(module, x, ckpt=True)
+        got = run(module, x, ckpt="plain")
     except CheckpointError:
         pass  # the kept counts differed
     else:
@@ -236,7 +261,7 @@ def test_user_generator_needs_replay_generators():
     # with replay_generators: identical, and the generator ends where the plain run left it
     gen.manual_seed(7)
     module.branch.seen.clear()
-    got = run(module, x, ckpt=True, context_fn=replay_generators(module))
+    got = run(module, x, ckpt="plain", context_fn=replay_generators(module))
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
     assert_same(got[2], want[2])
@@ -244,22 +269,24 @@ def test_user_generator_needs_replay_generators():
     assert torch.equal(gen.get_state(), after_plain)
 
 
-def test_replay_generators_arguments():
-    g1, g2 = torch.Generator(), torch.Generator()
-    model = nn.Sequential(
-        mb.ResidualDropPath(nn.Linear(2, 2), 0.1, generator=g1),
-        mb.DropPath(0.1, generator=g1),
-        mb.DropPath(0.1),
-    )
-    fn = replay_generators(model, g2, g1)
-    fwd, recompute = fn()
-    with fwd, recompute:
-        pass
-    with pytest.raises(TypeError, match="replay_generators"):
-        replay_generators(3)
+def test_replay_generators_collects_and_restores():
+    """Generators given directly and those of the modules' submodules are replayed, each once,
+    and left where the forward left them."""
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    model = nn.Sequential(mb.ResidualDropPath(nn.Linear(2, 2), 0.1, generator=g1), mb.DropPath(0.1, generator=g1), mb.DropPath(0.1))
+    forward_ctx, recompute_ctx = replay_generators(model, g2, g1)()  # states recorded here
+    first = [torch.rand(3, generator=g) for g in (g1, g1, g2)]
+    after = [g.get_state() for g in (g1, g2)]
+    with forward_ctx, recompute_ctx:
+        again = [torch.rand(3, generator=g) for g in (g1, g1, g2)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert all(torch.equal(g.get_state(), s) for g, s in zip((g1, g2), after))
+    with pytest.raises(TypeError, match="replay_generators: argument 1 is a int"):
+        replay_generators(model, 3)
 
 
-def test_nested_blocks_each_checkpointed():
+@pytest.mark.parametrize("ckpt", CKPT)
+def test_nested_blocks_each_checkpointed(ckpt):
     """A stack of blocks, each checkpointed on its own (as timm's checkpoint_seq does)."""
     torch.manual_seed(0)
     blocks = nn.ModuleList(
@@ -273,22 +300,23 @@ def test_nested_blocks_each_checkpointed():
             self.blocks, self.router, self.ckpt = blocks, router, ckpt
 
         def forward(self, x, gate):
+            reentrant = self.ckpt == "reentrant"
             for blk in self.blocks:
-                x = checkpoint(blk, x, use_reentrant=False) if self.ckpt else blk(x)
-            return checkpoint(self.router, x, gate, use_reentrant=False) if self.ckpt else self.router(x, gate)
+                x = checkpoint(blk, x, use_reentrant=reentrant) if self.ckpt else blk(x)
+            return checkpoint(self.router, x, gate, use_reentrant=reentrant) if self.ckpt else self.router(x, gate)
 
     x = torch.randn(B, D, dtype=torch.float64)
     gate = gates()["ids"]
     for seed in range(3):
-        want = run(Net(False), x, gate, seed=seed)
-        got = run(Net(True), x, gate, seed=seed)
+        want = run(Net(None), x, gate, seed=seed)
+        got = run(Net(ckpt), x, gate, seed=seed)
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
         assert_same(got[2], want[2])
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not (torch.cuda.is_available() and mb.WITH_CUDA), reason="needs a CUDA device and CUDA kernels")
+@pytest.mark.skipif(not GPU, reason="needs a GPU and a CUDA build")
 def test_cuda_residual_drop_path_replays():
     """On a GPU the mask is still drawn on the host (default CPU generator), which checkpoint
     restores along with the device's generator."""
@@ -298,11 +326,11 @@ def test_cuda_residual_drop_path_replays():
     x = torch.randn(B, D, device="cuda")
     for seed in range(3):
         want = run(module, x, seed=seed)
-        got = run(module, x, ckpt=True, seed=seed)
+        got = run(module, x, ckpt="plain", seed=seed)
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
         assert_same(got[2], want[2])
     gate = gates()["ids"]  # a host gate with a device x
     want = run(router, x, gate)
-    got = run(router, x, gate, ckpt=True)
+    got = run(router, x, gate, ckpt="plain")
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     assert_same(got[2], want[2])

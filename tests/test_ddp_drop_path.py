@@ -1,11 +1,18 @@
 """ResidualDropPath and drop_add_residual under DistributedDataParallel, real processes (4 ranks,
-gloo), no flag: they train exactly as the code they replace, the residual block that skips its
-branch when dropped (``x + branch(x) / keep_prob`` or ``x``; in "row" mode the kept rows only),
-run under DDP with ``find_unused_parameters=True``, whatever the DDP setting.
+gloo): they train exactly as the code they replace, whatever the DDP setting.
 
-Every rank draws its own masks (the reference replays the same draws), so on many steps a branch
-runs on some ranks and not on others, and on some steps on none: if/else then gives its
-parameters no gradient and the optimizer (momentum, weight decay) leaves them alone.
+* By default (``materialize_grads=True``) the code replaced is timm's ``x + drop_path(branch(x))``:
+  every branch's parameters get a gradient, zeros where every row was dropped, which plain DDP
+  averages and the optimizer then steps (momentum, weight decay), as for timm.
+* With ``materialize_grads=None`` it is the block that skips its branch when dropped
+  (``x + branch(x) / keep_prob`` on the kept rows, ``x`` where none is), which DDP needs
+  ``find_unused_parameters=True`` for: a branch dropped on every rank gets no gradient at all,
+  and the optimizer leaves it alone.
+
+One model holds both kinds of blocks (and drop_add_residual with ``None``); the reference holds
+the replaced blocks, under DDP(find_unused_parameters=True). Every rank draws its own masks (the
+reference replays the same draws), so on many steps a branch runs on some ranks and not on
+others, and on some steps on none.
 """
 import contextlib
 import os
@@ -20,12 +27,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import maskedbranch as mb
 
-from harness import SkipBlock, results_of, run_ranks, state_diff, training_state
+from harness import ReferenceResidual, results_of, run_ranks, state_diff, training_state
 
 WORLD = 4
 STEPS = 6
 WIDTH = 8
-PROBS = (0.5, 0.3, 0.95)  # the ResidualDropPath blocks; then one drop_add_residual block at 0.6
+BLOCKS = ((0.5, True), (0.97, None), (0.9, True))  # ResidualDropPath (drop_prob, materialize_grads)
+# then one drop_add_residual block at 0.6, materialize_grads=None
 TIMEOUT_S = 240
 
 pytestmark = [
@@ -48,9 +56,9 @@ class Net(nn.Module):
         self.masked, self.mode = masked, mode
         self.inp = nn.Linear(5, WIDTH)
         self.blocks = nn.ModuleList(
-            (mb.ResidualDropPath(make_branch(), p, mode, generator=generator(seed + i)) if masked
-             else SkipBlock(make_branch(), p, mode, generator(seed + i)))
-            for i, p in enumerate(PROBS)
+            (mb.ResidualDropPath(make_branch(), p, mode, generator=generator(seed + i), **({} if m else {"materialize_grads": m}))
+             if masked else ReferenceResidual(make_branch(), p, mode, generator(seed + i), dense=m is True))
+            for i, (p, m) in enumerate(BLOCKS)
         )
         self.last = make_branch()  # through drop_add_residual (the functional form)
         self.last_generator = generator(seed + 99)
@@ -61,9 +69,9 @@ class Net(nn.Module):
         for block in self.blocks:
             h = block(h)
         if self.masked:
-            h = mb.drop_add_residual(h, self.last, 0.6, self.training, self.mode, generator=self.last_generator)
+            h = mb.drop_add_residual(h, self.last, 0.6, self.training, self.mode, generator=self.last_generator, materialize_grads=None)
         else:
-            h = SkipBlock(self.last, 0.6, self.mode, self.last_generator)(h)
+            h = ReferenceResidual(self.last, 0.6, self.mode, self.last_generator, dense=False)(h)
         return self.head(h).mean(1)
 
 
@@ -90,8 +98,8 @@ def train(rank, group, mode, identical=False, accumulate=1, **ddp_kwargs):
     }
     opts = {k: make_optimizers(m) for k, m in models.items()}
     data = generator(100 + rank)  # different data on every rank
-    calls = [0] * len(PROBS)  # forward calls of each if/else block's branch on this rank
-    for i, block in enumerate(ifelse.blocks):
+    calls = [0] * len(BLOCKS)  # forward calls of each ResidualDropPath's branch on this rank
+    for i, block in enumerate(masked.blocks):
         block.branch.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
     worst, none_mismatch, none_grads, ran, history = 0.0, [], 0, [], []
     for step in range(STEPS):
@@ -149,16 +157,18 @@ def ranks():
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_trains_as_the_skipping_block(ranks, case):
+def test_trains_as_the_replaced_blocks(ranks, case):
     per_rank = results_of(ranks, case)
     for r, res in enumerate(per_rank):
-        assert res["worst"] < 1e-10, f"rank {r}: parameters or gradients differ from if/else by {res['worst']}"
-        assert not res["none_mismatch"], f"rank {r}: None gradients differ from if/else at {res['none_mismatch'][:5]}"
+        assert res["worst"] < 1e-10, f"rank {r}: parameters or gradients differ from the reference by {res['worst']}"
+        assert not res["none_mismatch"], f"rank {r}: None gradients differ from the reference at {res['none_mismatch'][:5]}"
     for r in range(1, WORLD):
         for step, (a, b) in enumerate(zip(per_rank[0]["history"], per_rank[r]["history"])):
             assert torch.equal(a, b), f"rank {r}: parameters differ from rank 0's after step {step}"
-    # the run exercised what it should: blocks skipped on every rank at once (so if/else left
-    # their gradients None), and ranks disagreeing about a block (independent draws) or never
+    # the run exercised what it should: blocks skipped on every rank at once (the skipping
+    # reference then left their gradients None), and ranks disagreeing about a block (independent
+    # draws) or never
+    assert all(res["none_grads"] > 0 for res in per_rank), "no skipping block was dropped on every rank at once"
     ran = torch.tensor([res["ran"] for res in per_rank])  # [rank, step, block]
     assert bool((ran.amax(0) == 0).any()), "no block was skipped on every rank at once"
     disagree = int((ran.amin(0) != ran.amax(0)).sum())

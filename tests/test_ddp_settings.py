@@ -1,6 +1,7 @@
 """DDP with compiled autograd, real processes (2 gloo ranks): what torch needs, what it refuses,
-and MaskedBranch / masked_branch / ResidualDropPath training exactly as if/else under plain
-DDP(find_unused_parameters=True) with routing that differs per rank.
+and MaskedBranch / masked_branch / ResidualDropPath training exactly as the code they replace
+(if/else routing; timm's residual formula) under plain DDP(find_unused_parameters=True), with
+routing that differs per rank.
 
 What torch needs: compiled autograd refuses DDP's C++ reducer ("Compiled autograd is not
 compatible with C++ DDP Reducer"); DDP must be built after
@@ -44,7 +45,8 @@ def make_branch():
 
 class Net(nn.Module):
     """pre -> choices (MaskedBranch) -> experts (masked_branch, ids) -> block (ResidualDropPath,
-    'batch') -> head; ``masked=False``: the if/else model (same keys, same draws)."""
+    'batch') -> head; ``masked=False``: the if/else model and timm's dense residual (same keys,
+    same draws)."""
 
     def __init__(self, masked, seed):
         super().__init__()
@@ -71,8 +73,8 @@ class Net(nn.Module):
             for branches, g in ((self.choices, gate), (self.experts, ids)):
                 y = mb.reference.masked_branch_ifelse(list(branches), h, g)
                 h = h + (0 if y is None else y)
-            if bool(torch.empty(1).bernoulli_(0.5, generator=self.generator)[0]):  # ResidualDropPath's draw
-                h = h + self.block.branch(h) * 2.0
+            keep = torch.empty(1).bernoulli_(0.5, generator=self.generator).to(h.dtype)  # ResidualDropPath's draw
+            h = h + self.block.branch(h) * (keep * 2.0)  # timm's formula: zeros for a dropped branch
         return self.head(h).sum()
 
 

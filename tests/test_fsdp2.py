@@ -38,7 +38,7 @@ except ImportError:  # torch < 2.6
 
 import maskedbranch as mb
 
-from harness import SkipBlock, state_diff, training_state
+from harness import ReferenceResidual, state_diff, training_state
 
 pytestmark = [
     pytest.mark.distributed,
@@ -183,10 +183,12 @@ class ResidualNet(nn.Module):
     def __init__(self, mode, masked, seed):
         super().__init__()
         self.pre = nn.Linear(4, D)
+        # (drop_prob, materialize_grads): the default (timm's dense formula) and None (the block
+        # that skips its branch; pruned when every rank dropped it)
         self.blocks = nn.ModuleList(
-            mb.ResidualDropPath(make_branch(), p, mode, generator=torch.Generator().manual_seed(seed + i)) if masked
-            else SkipBlock(make_branch(), p, mode, torch.Generator().manual_seed(seed + i))
-            for i, p in enumerate((0.5, 0.6, 0.95))
+            mb.ResidualDropPath(make_branch(), p, mode, generator=torch.Generator().manual_seed(seed + i), **({} if m else {"materialize_grads": m}))
+            if masked else ReferenceResidual(make_branch(), p, mode, torch.Generator().manual_seed(seed + i), dense=m is True)
+            for i, (p, m) in enumerate(((0.5, True), (0.95, None), (0.7, True)))
         )
         self.head = nn.Linear(D, 2)
 
@@ -199,7 +201,7 @@ class ResidualNet(nn.Module):
 
 def scenario_residual(rank, world, mode):
     """ResidualDropPath blocks, each its own FSDP2 unit, ranks drawing independently, against
-    the skipping block under DDP(find_unused_parameters=True) with the same draws."""
+    the blocks they replace under DDP(find_unused_parameters=True) with the same draws."""
     torch.manual_seed(0)
     model = ResidualNet(mode, True, 50 + 10 * rank)
     ifelse = ResidualNet(mode, False, 50 + 10 * rank)
@@ -371,7 +373,7 @@ def test_fsdp2_trains_as_ddp_ifelse(main_job, case):
 
 
 @pytest.mark.parametrize("mode", ["batch", "row"])
-def test_fsdp2_residual_drop_path_trains_as_the_skipping_block(main_job, mode):
+def test_fsdp2_residual_drop_path_trains_as_the_replaced_blocks(main_job, mode):
     for r, res in enumerate(main_job):
         got = res[f"residual_{mode}"]
         assert got["worst"] < 1e-5, f"rank {r}: parameters or gradients differ by {got['worst']}"
