@@ -56,27 +56,45 @@ def register(module: nn.Module) -> None:
     _install_global_hook()
 
 
-class Usage:
-    """Bit i: unit i (a branch) of one routing module ran in a call with autograd on since the
-    last optimizer step. Also remembers the DDP model around the module (its root and process
-    group) when one was seen."""
+_now = [0]  # a clock that every take (one optimizer's step) advances
 
-    __slots__ = ("bits", "root", "group")
+
+class Usage:
+    """What one routing module's calls with autograd on recorded: ``stamps[i]``, the clock when
+    unit i (a branch) last ran, which each optimizer compares with the clock of its own previous
+    step (several optimizers may hold parts of one branch, Muon and AdamW say); ``bits``, every
+    unit that ran since whoever last cleared it (maskedbranch.doctor reads it). Also the DDP
+    model around the module (its root and process group) once one was seen."""
+
+    __slots__ = ("bits", "stamps", "root", "group")
 
     def __init__(self) -> None:
         self.bits = 0
+        self.stamps: List[int] = []
         self.root: Any = None  # weakref to the DDP-wrapped model
         self.group: Any = None
 
     def record(self, live_mask: int) -> None:
         """Called by every call with autograd on, whether or not a branch ran (so that every
         rank notes the same DDP group)."""
-        self.bits |= live_mask
+        if live_mask:
+            self.bits |= live_mask
+            stamps, now, i = self.stamps, _now[0], 0
+            while live_mask:
+                if live_mask & 1:
+                    if i >= len(stamps):
+                        stamps.extend([-1] * (i + 1 - len(stamps)))
+                    stamps[i] = now
+                live_mask >>= 1
+                i += 1
         if self.root is None and dist.is_available() and dist.is_initialized():
             ddp = _compat.active_ddp()
             if ddp is not None:
                 self.root = weakref.ref(ddp.module)
                 self.group = ddp.process_group
+
+    def ran_since(self, i: int, since: int) -> bool:
+        return i < len(self.stamps) and self.stamps[i] >= since
 
 
 class _Functional:
@@ -147,16 +165,14 @@ class _Layout:
         self.modules = list(dict.fromkeys(m for m, _, _ in self.units))
         self.first = next((self.params[ks[0]] for _, _, ks in self.units), None)
 
-    def take(self) -> bytearray:
-        """This rank's bytes, and the usage bits reset."""
+    def take(self, since: int) -> bytearray:
+        """This rank's bytes: the units that ran since the clock read ``since``."""
         out = bytearray(self.base)
         for m, i, ks in self.units:
-            if m._usage.bits >> i & 1:
+            if m._usage.ran_since(i, since):
                 for k in ks:
                     if out[k] == _UNUSED:
                         out[k] = _USED
-        for m in self.modules:
-            m._usage.bits = 0
         return out
 
     def prune(self, reduced: bytes) -> int:
@@ -215,6 +231,7 @@ class _Pruner:
         self.group = group
         self.root = root
         self._layouts: "weakref.WeakKeyDictionary[Any, Tuple[tuple, _Layout]]" = weakref.WeakKeyDictionary()
+        self._since: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # per optimizer
         self.last_pruned = 0
 
     def layout(self, optimizer: torch.optim.Optimizer, modules: List[Any], root: Optional[nn.Module]) -> _Layout:
@@ -233,9 +250,12 @@ class _Pruner:
             roots = {id(r): r for m in modules for r in [m._usage.root and m._usage.root()] if r is not None}
             root = next(iter(roots.values())) if len(roots) == 1 else None
         layout = self.layout(optimizer, modules, root)
+        now = _now[0]
+        _now[0] = now + 1  # calls from here on count towards this optimizer's next step
+        since, self._since[optimizer] = self._since.get(optimizer, 0), now + 1
         if not layout.units:
             return
-        bits = layout.take()
+        bits = layout.take(since)
         if distributed:
             group = self.group
             if group is None:

@@ -149,6 +149,25 @@ def test_several_optimizers_prune_their_own_parameters():
     assert handles[1].last_pruned == 2 * 4 and all(grads_none(model.layers[1][0])) and not any(grads_none(model.layers[1][2]))
 
 
+def test_one_branch_split_across_two_optimizers():
+    """Weights in one optimizer, biases in another (as with Muon and AdamW): each step judges
+    what ran since its own previous step, so the second one still sees the branch that ran."""
+    model = Net().double()
+    names = dict(model.named_parameters())
+    opts = [sgd([p for n, p in names.items() if n.endswith("weight")]),
+            torch.optim.AdamW([p for n, p in names.items() if n.endswith("bias")], lr=0.01)]
+    for opt in opts:
+        unused_grads_to_none(opt, model)
+    for step in range(3):
+        for opt in opts:
+            opt.zero_grad()
+        loss_of(model, step, [step, 0]).backward()
+        for opt in opts:
+            opt.step()
+        for i, branch in enumerate(model.layers[0]):
+            assert grads_none(branch) == [i != step] * 4, (step, i)
+
+
 def test_branch_added_after_construction():
     """Inserted without the optimizer knowing it: never pruned, and the other branches' flags
     do not shift. Appended and given to the optimizer: pruned like the others."""
