@@ -60,11 +60,12 @@ _now = [0]  # a clock that every take (one optimizer's step) advances
 
 
 class Usage:
-    """What one routing module's calls with autograd on recorded: ``stamps[i]``, the clock when
-    unit i (a branch) last ran, which each optimizer compares with the clock of its own previous
-    step (several optimizers may hold parts of one branch, Muon and AdamW say); ``bits``, every
-    unit that ran since whoever last cleared it (maskedbranch.doctor reads it). Also the DDP
-    model around the module (its root and process group) once one was seen."""
+    """What one routing module's calls with autograd on recorded: ``bits``, bit i when unit i (a
+    branch) ran since the last step (the forward touches nothing else, so that torch.compile
+    sees the same value, 0, at the start of every step); ``stamps[i]``, the clock of the step
+    that last found unit i in ``bits``, which each optimizer compares with the clock of its own
+    previous step (several optimizers may hold parts of one branch, Muon and AdamW say). Also
+    the DDP model around the module (its root and process group) once one was seen."""
 
     __slots__ = ("bits", "stamps", "root", "group")
 
@@ -77,21 +78,24 @@ class Usage:
     def record(self, live_mask: int) -> None:
         """Called by every call with autograd on, whether or not a branch ran (so that every
         rank notes the same DDP group)."""
-        if live_mask:
-            self.bits |= live_mask
-            stamps, now, i = self.stamps, _now[0], 0
-            while live_mask:
-                if live_mask & 1:
-                    if i >= len(stamps):
-                        stamps.extend([-1] * (i + 1 - len(stamps)))
-                    stamps[i] = now
-                live_mask >>= 1
-                i += 1
+        self.bits |= live_mask
         if self.root is None and dist.is_available() and dist.is_initialized():
             ddp = _compat.active_ddp()
             if ddp is not None:
                 self.root = weakref.ref(ddp.module)
                 self.group = ddp.process_group
+
+    def harvest(self, now: int) -> None:
+        """At a step: stamp the units in ``bits`` with the clock, and clear ``bits``."""
+        bits, stamps, i = self.bits, self.stamps, 0
+        self.bits = 0
+        while bits:
+            if bits & 1:
+                if i >= len(stamps):
+                    stamps.extend([-1] * (i + 1 - len(stamps)))
+                stamps[i] = now
+            bits >>= 1
+            i += 1
 
     def ran_since(self, i: int, since: int) -> bool:
         return i < len(self.stamps) and self.stamps[i] >= since
@@ -255,6 +259,8 @@ class _Pruner:
         since, self._since[optimizer] = self._since.get(optimizer, 0), now + 1
         if not layout.units:
             return
+        for m in layout.modules:
+            m._usage.harvest(now)
         bits = layout.take(since)
         if distributed:
             group = self.group

@@ -126,7 +126,7 @@ class _Watch:
         self.routing = [R.RoutingUse(names[id(m)], type(m).__name__, [names.get(id(u), "?") for u in m._unit_modules()],
                                      drop_prob=getattr(m, "drop_prob", None), mode=getattr(m, "mode", ""))
                         for m in self.mods]
-        self.saved = [(m._usage.bits, list(m._usage.stamps)) for m in self.mods]
+        self.saved = [m._usage.bits for m in self.mods]
         self.handles = [m.register_forward_pre_hook(functools.partial(self._pre, r), with_kwargs=True)
                         for m, r in zip(self.mods, self.routing)]
 
@@ -148,8 +148,8 @@ class _Watch:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
-        for m, (bits, stamps) in zip(self.mods, self.saved):
-            m._usage.bits, m._usage.stamps = bits, stamps
+        for m, bits in zip(self.mods, self.saved):
+            m._usage.bits = bits
 
 
 def _classify(model: nn.Module, params: List[Tensor], uses: List[R.ParameterUse], watch: _Watch,
