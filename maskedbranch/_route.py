@@ -211,7 +211,7 @@ def _aliases(table: Branches, x: Tensor, zeros: Optional[bool], where: str):
     for i, (branch, params) in enumerate(zip(table.branches, table.params)):
         if params and not isinstance(getattr(branch, "branch", branch), torch.nn.Module):
             raise RuntimeError(
-                f"{where}[{i}]: under DDP's Python reducer (compiled autograd) a branch with parameters "
+                f"{f'{where}[{i}]' if where == 'branches' else where}: under DDP's Python reducer (compiled autograd) a branch with parameters "
                 "must be an nn.Module, so that its parameters can be reached in its forward; got "
                 f"{type(branch).__name__} with parameters"
             )

@@ -158,7 +158,7 @@ def scenario_ifelse_python_reducer(rank, group):
 
 def scenario_refusals(rank, group):
     """What torch refuses (compiled autograd with the C++ reducer) and what maskedbranch refuses
-    (materialize_grads=False with the Python reducer)."""
+    with the Python reducer (materialize_grads=False; a branch given as a function with params=)."""
     out = {}
     model = DDP(mb.MaskedBranch([nn.Linear(D, D) for _ in range(N)]), process_group=group)
     loss = model(torch.ones(2, D), rank).sum()
@@ -175,6 +175,13 @@ def scenario_refusals(rank, group):
         out["undefined"] = "no error"
     except RuntimeError as e:
         out["undefined"] = str(e)
+    try:  # a function with params= cannot run on aliases of its parameters
+        lin = nn.Linear(D, D)
+        mb.drop_add_residual(torch.ones(2, D), lambda h: lin(h), 0.01, True, "row", params=lin.parameters(),
+                             generator=torch.Generator().manual_seed(1))
+        out["function"] = "no error"
+    except RuntimeError as e:
+        out["function"] = str(e)
     finally:
         torch._dynamo.config.optimize_ddp = "ddp_optimizer"
     return out
@@ -231,3 +238,4 @@ def test_refusals(ranks):
     for res in results_of(ranks, "refusals"):
         assert "Compiled autograd is not compatible with C++ DDP Reducer" in res["cpp_reducer"], res["cpp_reducer"]
         assert "materialize_grads=False with DDP's Python reducer" in res["undefined"], res["undefined"]
+        assert "under DDP's Python reducer (compiled autograd) a branch with parameters must be an nn.Module" in res["function"], res["function"]
