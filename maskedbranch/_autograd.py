@@ -153,6 +153,25 @@ class Tie(Function):
         return (grad, None, *_tied_grads(ctx, 2, ctx.tied))
 
 
+@_two_forms
+class Alias(Function):
+    """``apply(x, *params)`` -> a copy of ``x`` and a view of each parameter, for the branches to
+    run on under DDP's Python reducer (maskedbranch/_route.py): every parameter's gradient then
+    leaves the graph at this one node, in order, zeros where no branch used it."""
+
+    @staticmethod
+    def forward(x, *params):
+        return (x.clone(memory_format=torch.preserve_format), *(p.view_as(p) for p in params))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass  # unused outputs' gradients arrive as zeros (materialize_grads, the default)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
 # ----------------------------------------------------------------------------------------------
 # Differentiable calls with the plan as one object.
 
@@ -176,3 +195,7 @@ def combine(
 
 def tie(x: Tensor, tied: Sequence[Tensor], zeros: bool = False) -> Tensor:
     return Tie.route(x, zeros, *tied)
+
+
+def alias(x: Tensor, params: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+    return Alias.route(x, *params)

@@ -7,19 +7,24 @@ with a public fallback that the tests exercise (tests/test_compat.py).
   former binds its arguments with ``inspect.signature`` on every call). Fallback: always the
   torch.func form (correct everywhere, slower).
 * :func:`active_ddp`: the ``DistributedDataParallel`` whose forward is running, so that the
-  routing modules can read its settings (maskedbranch/_dead_grads.py). Fallback: a global
-  forward pre-hook on every module (public, but it costs every module call in the process a
-  little), installed only when the private attribute is missing.
+  routing modules can read its settings (maskedbranch/_dead_grads.py). Fallback: None, "no DDP
+  knowledge": dead branches then get zero gradients, which is right under every DDP setting
+  (maskedbranch/unused_grads.py sets those of parameters no rank used back to None), at the
+  cost of the zero fills, of pruning over the default process group and of not recognising
+  parameters that a branch shares with the rest of the model (tests/test_ddp_masked_branch.py).
+* :func:`ddp_python_reducer`: whether DDP uses its Python reducer (``torch._dynamo.config.
+  optimize_ddp``, what compiled autograd needs). Fallback: True (the gradient order that the
+  Python reducer needs is correct under every reducer, only a little costlier).
 """
 from __future__ import annotations
 
-import threading
-from typing import Any, Optional
+import sys
+from typing import Optional
 
 import torch
 from torch import nn
 
-__all__ = ["functorch_active", "active_ddp"]
+__all__ = ["functorch_active", "active_ddp", "ddp_python_reducer"]
 
 _functorch_check = getattr(torch._C, "_are_functorch_transforms_active", None)
 
@@ -33,56 +38,26 @@ def functorch_active() -> bool:
 
 _DDP = nn.parallel.DistributedDataParallel
 _HAS_ACTIVE_ATTR = hasattr(_DDP, "_active_ddp_module")
-_force_fallback = {"functorch": False, "ddp": False}  # set by the tests of the fallbacks
-
-
-class _ForwardTracker:
-    """The public fallback of :func:`active_ddp`: global forward hooks note which DDP module's
-    forward is running (a stack per thread)."""
-
-    def __init__(self) -> None:
-        self.local = threading.local()
-        self.handles: Any = None
-
-    def install(self) -> None:
-        if self.handles is None:
-            pre = nn.modules.module.register_module_forward_pre_hook(self._enter)
-            post = nn.modules.module.register_module_forward_hook(self._leave, always_call=True)
-            self.handles = (pre, post)
-
-    def remove(self) -> None:
-        if self.handles is not None:
-            for h in self.handles:
-                h.remove()
-            self.handles = None
-
-    def _stack(self) -> list:
-        stack = getattr(self.local, "stack", None)
-        if stack is None:
-            stack = self.local.stack = []
-        return stack
-
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        if isinstance(module, _DDP):
-            self._stack().append(module)
-
-    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if isinstance(module, _DDP):
-            stack = self._stack()
-            if stack and stack[-1] is module:
-                stack.pop()
-
-    def current(self) -> Optional[nn.Module]:
-        stack = self._stack()
-        return stack[-1] if stack else None
-
-
-_tracker = _ForwardTracker()
+_force_fallback = {"functorch": False, "ddp": False, "python_reducer": False}  # set by the tests of the fallbacks
+_PYTHON_REDUCER = ("python_reducer", "python_reducer_without_compiled_forward")
 
 
 def active_ddp() -> Optional[nn.Module]:
-    """The DistributedDataParallel module whose forward is running in this thread, or None."""
+    """The DistributedDataParallel module whose forward is running (C++ reducer), or None.
+    DDP's Python reducer does not set it."""
     if _HAS_ACTIVE_ATTR and not _force_fallback["ddp"]:
-        return getattr(_DDP, "_active_ddp_module", None)
-    _tracker.install()
-    return _tracker.current()
+        return _DDP._active_ddp_module
+    return None
+
+
+def ddp_python_reducer() -> bool:
+    """Whether DDP modules built now use the Python reducer. DDP reads the setting from
+    ``torch._dynamo.config`` in its constructor (importing it), so before any import nothing
+    can have set it."""
+    config = sys.modules.get("torch._dynamo.config")
+    if config is None:
+        return False
+    mode = getattr(config, "optimize_ddp", _force_fallback)  # a sentinel when the setting is gone
+    if mode is _force_fallback or _force_fallback["python_reducer"]:
+        return True
+    return mode in _PYTHON_REDUCER

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _autograd, _ops
+from . import _autograd, _dead_grads, _ops
 from ._args import check_per_row_devices, is_per_row, route_args
 from ._structure import Branches
 
@@ -200,6 +200,36 @@ def _tied(table: Branches, live_mask: int, zeros: Optional[bool], extra: Tuple[T
     return tuple(t for t in extra + table.tied(live_mask) if t.requires_grad)
 
 
+def _aliases(table: Branches, x: Tensor, zeros: Optional[bool], where: str):
+    """Under DDP's Python reducer (maskedbranch/_dead_grads.py) the branches run on aliases of
+    ``x`` and of every branch parameter, made by one node (``_autograd.Alias``): each
+    parameter's gradient then leaves the graph there, after the branches' backward, in the same
+    order on every rank (zeros for the branches that did not run). Returns (x for the branches,
+    {id(parameter): alias} or None, ``zeros`` for the tie at the output)."""
+    if not (zeros and torch.is_grad_enabled() and _dead_grads.canonical_order()):
+        return x, None, zeros
+    for i, (branch, params) in enumerate(zip(table.branches, table.params)):
+        if params and not isinstance(getattr(branch, "branch", branch), torch.nn.Module):
+            raise RuntimeError(
+                f"{f'{where}[{i}]' if where == 'branches' else where}: under DDP's Python reducer (compiled autograd) a branch with parameters "
+                "must be an nn.Module, so that its parameters can be reached in its forward; got "
+                f"{type(branch).__name__} with parameters"
+            )
+    params = _tied(table, 0, True)
+    x_in, *views = _autograd.alias(x, params)
+    return x_in, {id(p): v for p, v in zip(params, views)}, None
+
+
+def _run(table: Branches, i: int, aliases: Optional[Dict[int, Tensor]], h: Tensor, args, kwargs) -> Any:
+    branch = table.branches[i]
+    if aliases is None:
+        return branch(h, *args, **kwargs)
+    module = getattr(branch, "branch", branch)  # the residual forms wrap their module
+    mapping = {n: aliases[id(p)] for n, p in module.named_parameters(remove_duplicate=False) if id(p) in aliases}
+    y = torch.func.functional_call(module, mapping, (h, *args), kwargs, strict=False)
+    return branch.check(y, h) if module is not branch else y
+
+
 def _common_dtype(ys: Sequence[Tensor], base: Optional[Tensor]) -> torch.dtype:
     dtype = ys[0].dtype
     for t in list(ys[1:]) + ([base] if base is not None else []):
@@ -233,7 +263,7 @@ def route(
     if kind == "int":
         if gate >= 0:
             return _one_branch(table, x, gate, args, kwargs, zeros, base, scale, signatures, where), 1 << gate
-        return _no_branch(table, x, args, kwargs, zeros, base, signatures, where), 0
+        return _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where), 0
 
     plan = _ops.make_plan(gate, n, device=x.device)  # host counts; a device gate reads back once
     weights = gate if gate.dim() == 2 and gate.is_floating_point() else None
@@ -245,9 +275,10 @@ def route(
         i = plan.counts.index(batch)
         return _one_branch(table, x, i, args, kwargs, zeros, base, scale, signatures, where), 1 << i
     if known and plan.num_entries == 0:
-        return _no_branch(table, x, args, kwargs, zeros, base, signatures, where), 0
+        return _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where), 0
 
-    xs = _rows_of(x, plan)
+    x_in, aliases, zeros = _aliases(table, x, zeros, where)
+    xs = _rows_of(x_in, plan)
     routed_args, routed_kwargs = route_args(args, kwargs, batch, lambda t: _Parts(_rows_of(t, plan)))
     live: Dict[int, Tensor] = {}
     for i, c in enumerate(plan.counts):
@@ -255,7 +286,7 @@ def route(
             continue  # the branch never sees a row
         a = tuple(v.parts[i] if isinstance(v, _Parts) else v for v in routed_args)
         kw = {k: v.parts[i] if isinstance(v, _Parts) else v for k, v in routed_kwargs.items()}
-        live[i] = check_output(table.branches[i](xs[i], *a, **kw), f"{where}[{i}]", c)
+        live[i] = check_output(_run(table, i, aliases, xs[i], a, kw), f"{where}[{i}]", c)
     _check_agreement(live, x, args, kwargs, signatures, where)
     first = next(iter(live.values()))
     ys = [live[i] if i in live else first.new_empty((0, *first.shape[1:])) for i in range(n)]
@@ -346,7 +377,8 @@ def _one_branch(table, x, k, args, kwargs, zeros, base, scale, signatures, where
     """The whole batch through branch k, on x itself, then the tie (a copy, when any dead
     parameter needs a gradient)."""
     label = f"{where}[{k}]" if where == "branches" else where
-    y = check_output(table.branches[k](x, *args, **kwargs), label, x.shape[0])
+    x_in, aliases, zeros = _aliases(table, x, zeros, where)
+    y = check_output(_run(table, k, aliases, x_in, args, kwargs), label, x.shape[0])
     if signatures is not None:
         signatures.learn(_input_key(x, args, kwargs), y, k, label)
     tied = _tied(table, 1 << k, zeros)
@@ -360,10 +392,12 @@ def _one_branch(table, x, k, args, kwargs, zeros, base, scale, signatures, where
     return _autograd.tie(y, tied, bool(zeros)) if tied else y
 
 
-def _no_branch(table, x, args, kwargs, zeros, base, signatures, where) -> Tensor:
-    """No row reaches any branch: ``base`` (or zeros shaped like the branches' output), with x
-    and every parameter tied in, so that whatever produced x still gets its gradient."""
-    tied = _tied(table, 0, zeros, (x,) if base is None else ())
+def _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where) -> Tensor:
+    """No row reaches any branch: ``base`` (or zeros shaped like the branches' output), with x,
+    the gate's weights, the tensor arguments and every parameter tied in, so that whatever
+    produced them (a router, say) still gets its gradient."""
+    inputs = tuple(t for t in (gate, *args, *kwargs.values()) if isinstance(t, Tensor))
+    tied = _tied(table, 0, zeros, ((x,) if base is None else ()) + inputs)
     if base is not None:
         return _autograd.tie(base, tied, bool(zeros)) if tied else base.clone()
     trailing, dtype = _dead_output_signature(table, signatures, x, args, kwargs, where)

@@ -211,7 +211,10 @@ class _Checked:
         self.branch = branch
 
     def __call__(self, h: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return _check_branch_output(self.branch(h, *args, **kwargs), h.shape[0], h)
+        return self.check(self.branch(h, *args, **kwargs), h)
+
+    def check(self, y: Any, h: Tensor) -> Tensor:
+        return _check_branch_output(y, h.shape[0], h)
 
 
 def _residual(
@@ -294,10 +297,13 @@ def drop_add_residual(
     if training and p > 0 and isinstance(branch, nn.Module):
         _structure.check_skippable([branch], "branch")  # the policy of every routing module
     table = _structure.Branches([_Checked(branch)], params=[_branch_params(branch, params)])
-    return _residual(
+    out, ran = _residual(
         x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
         materialize_grads, "drop_add_residual",
-    )[0]
+    )
+    if materialize_grads is None and isinstance(branch, nn.Module) and torch.is_grad_enabled() and _dead_grads.distributed():
+        unused_grads.record_functional([branch], int(ran))  # for the step-time pruning
+    return out
 
 
 class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
@@ -365,8 +371,8 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
             x, table, args, kwargs, p, self.training, self.mode, self.scale_by_keep, self.generator,
             self.materialize_grads, "ResidualDropPath",
         )
-        if ran and torch.is_grad_enabled() and not isinstance(x, torch.fx.Proxy):
-            self._usage.record(1)
+        if torch.is_grad_enabled() and not isinstance(x, torch.fx.Proxy):
+            self._usage.record(int(ran))  # also when dropped: it notes the DDP model around
         return out
 
     def _unit_modules(self) -> List[nn.Module]:

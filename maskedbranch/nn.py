@@ -139,17 +139,19 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
             # The per-batch int gate, the common case of routed layers, straight to the branch:
             # route()'s own int path less its argument handling, which costs more than the rest
             # of the call for small branches.
-            y = cache.branches[gate](x)
-            if type(y) is not Tensor or y.dim() == 0 or y.shape[0] != x.shape[0]:
-                _route.check_output(y, f"branches[{gate}]", x.shape[0])
-            if torch.is_grad_enabled():
-                zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch")
-                if zeros is not None:
-                    tied = [p for p in cache.tied(1 << gate) if p.requires_grad]
-                    if tied:
-                        y = _autograd.tie(y, tied, zeros)
-                self._usage.record(1 << gate)
-            return y
+            grad = torch.is_grad_enabled()
+            zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch") if grad else None
+            if not (zeros and _dead_grads.canonical_order()):  # else route() runs on aliases
+                y = cache.branches[gate](x)
+                if type(y) is not Tensor or y.dim() == 0 or y.shape[0] != x.shape[0]:
+                    _route.check_output(y, f"branches[{gate}]", x.shape[0])
+                if grad:
+                    if zeros is not None:
+                        tied = [p for p in cache.tied(1 << gate) if p.requires_grad]
+                        if tied:
+                            y = _autograd.tie(y, tied, zeros)
+                    self._usage.record(1 << gate)
+                return y
         if _route.traced(x, gate):
             return _route.route_traced(list(self._modules.values()), x, gate, args, kwargs)
         _route.check_x(x)
@@ -200,4 +202,7 @@ def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any
     _route.check_x(x)
     _structure.check_skippable(branch_list, "branches")
     zeros = _dead_grads.tie_policy(None, "masked_branch")
-    return _route.route(_structure.Branches(branch_list), x, gate, args, kwargs, zeros=zeros)[0]
+    out, live_mask = _route.route(_structure.Branches(branch_list), x, gate, args, kwargs, zeros=zeros)
+    if zeros is not None and torch.is_grad_enabled():
+        unused_grads.record_functional(branch_list, live_mask)  # for the step-time pruning
+    return out

@@ -5,17 +5,29 @@
 Routing modules give a branch that did not run a gradient anyway (maskedbranch/_dead_grads.py),
 so that DDP works with ``find_unused_parameters=False``; DDP then averages and writes zeros for
 a branch that no rank used, and an optimizer would step it (momentum, Adam's moments, weight
-decay). Every routing module records which of its branches ran; at each optimizer step these
-bits are all-reduced (one small collective, no graph walk) and the gradients of the parameters
-that belong only to branches no rank ran since the previous step are set back to ``None``.
+decay). Every routing module records which of its branches ran (``masked_branch`` records on
+the branch modules themselves); at each optimizer step one byte per parameter of the optimizer
+is all-reduced (one small collective, no graph walk) and the gradients of the parameters that
+belong only to branches no rank ran since the previous step are set back to ``None``.
 
 This happens by default in distributed jobs, for modules with ``materialize_grads=None``, through
 one global optimizer step pre-hook (public API: ``torch.optim.optimizer.
 register_optimizer_step_pre_hook``). :func:`unused_grads_to_none` asks for it explicitly, for one
 optimizer, model and process group, whatever the modules' settings.
 
-A step that GradScaler skips (inf found) does not run the hook: its bits count towards the next
-step. Every rank must step the optimizer the same number of times, as data-parallel training does.
+What counts as used: a call with autograd enabled, since the previous step of that optimizer
+(gradient accumulation, with or without ``no_sync``, keeps everything its micro-batches used).
+A step that GradScaler skips (inf/NaN found) runs no hook, so its calls count towards the next
+step: a branch used only in the skipped iteration keeps its zero gradient in the next one
+(if/else would give it None). Parity with if/else assumes ``zero_grad(set_to_none=True)``
+(torch's default). Every rank must step the optimizer the same number of times, as
+data-parallel training does.
+
+Parameters that a branch shares with the rest of the model are never pruned when the model is
+known: the DDP module around the routing modules, or ``model`` given to
+:func:`unused_grads_to_none` (FSDP2 and hand-written averaging need the latter for such sharing).
+A distributed job whose ranks do not average these parameters (each rank trains its own model)
+should say so with ``materialize_grads=False``: undefined gradients as with if/else, no pruning.
 """
 from __future__ import annotations
 
@@ -25,44 +37,97 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-
 from torch.optim import optimizer as _optimizer
 
 from . import _compat, _structure
 
 __all__ = ["UnusedGradsToNone", "unused_grads_to_none"]
 
-_USED = ord("1")
+# One byte per optimizer parameter, reduced with MAX (an OR that gloo and NCCL both have), so
+# that every rank takes the same decision even if its view of the routing modules differs:
+_OTHER, _UNUSED, _USED, _KEEP = 0, 1, 2, 3  # not a branch's; a branch's, not run; run; shared with the model
 _registry: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # every routing module alive
+_functional: "weakref.WeakKeyDictionary[nn.Module, _Functional]" = weakref.WeakKeyDictionary()
 
 
 def register(module: nn.Module) -> None:
-    """Called by each routing module when it is created (or copied): the step hook considers
-    every routing module whose parameters the stepping optimizer holds, used or not, so that every
-    rank builds the same layout."""
+    """Called by each routing module when it is created (or copied)."""
     _registry.add(module)
     _install_global_hook()
 
 
-class Usage:
-    """Bit i: unit i (a branch) of one routing module ran in a call with autograd on since the
-    last optimizer step. Also remembers the DDP model around the module (its root and process
-    group) when one was seen."""
+_now = [0]  # a clock that every take (one optimizer's step) advances
 
-    __slots__ = ("bits", "root", "group")
+
+class Usage:
+    """What one routing module's calls with autograd on recorded: ``bits``, bit i when unit i (a
+    branch) ran since the last step (the forward touches nothing else, so that torch.compile
+    sees the same value, 0, at the start of every step); ``stamps[i]``, the clock of the step
+    that last found unit i in ``bits``, which each optimizer compares with the clock of its own
+    previous step (several optimizers may hold parts of one branch, Muon and AdamW say). Also
+    the DDP model around the module (its root and process group) once one was seen."""
+
+    __slots__ = ("bits", "stamps", "root", "group")
 
     def __init__(self) -> None:
         self.bits = 0
+        self.stamps: List[int] = []
         self.root: Any = None  # weakref to the DDP-wrapped model
         self.group: Any = None
 
     def record(self, live_mask: int) -> None:
+        """Called by every call with autograd on, whether or not a branch ran (so that every
+        rank notes the same DDP group)."""
         self.bits |= live_mask
         if self.root is None and dist.is_available() and dist.is_initialized():
             ddp = _compat.active_ddp()
             if ddp is not None:
                 self.root = weakref.ref(ddp.module)
                 self.group = ddp.process_group
+
+    def harvest(self, now: int) -> None:
+        """At a step: stamp the units in ``bits`` with the clock, and clear ``bits``."""
+        bits, stamps, i = self.bits, self.stamps, 0
+        self.bits = 0
+        while bits:
+            if bits & 1:
+                if i >= len(stamps):
+                    stamps.extend([-1] * (i + 1 - len(stamps)))
+                stamps[i] = now
+            bits >>= 1
+            i += 1
+
+    def ran_since(self, i: int, since: int) -> bool:
+        return i < len(self.stamps) and self.stamps[i] >= since
+
+
+class _Functional:
+    """A branch module called through ``masked_branch``: a routing unit of its own."""
+
+    __slots__ = ("module", "_usage", "__weakref__")
+    materialize_grads = None
+
+    def __init__(self, module: nn.Module):
+        self.module = weakref.ref(module)
+        self._usage = Usage()
+
+    def _unit_modules(self) -> List[nn.Module]:
+        m = self.module()
+        return [] if m is None else [m]
+
+    def _units(self) -> List[Sequence[Tensor]]:
+        return [tuple(m.parameters()) for m in self._unit_modules()]
+
+
+def record_functional(branches: Sequence[Any], live_mask: int) -> None:
+    """``masked_branch`` in a distributed job: note every module branch, and those that ran."""
+    for i, b in enumerate(branches):
+        if isinstance(b, nn.Module):
+            unit = _functional.get(b)
+            if unit is None:
+                unit = _functional[b] = _Functional(b)
+                _install_global_hook()
+            unit._usage.record(live_mask >> i & 1)  # also when dead: it notes the DDP model around
 
 
 def _outside_params(root: nn.Module, branch_modules: set) -> set:
@@ -80,67 +145,86 @@ def _outside_params(root: nn.Module, branch_modules: set) -> set:
 
 
 class _Layout:
-    """The prunable parameters of one optimizer, grouped by the units (branches) they belong to,
-    in an order that every rank agrees on (the optimizer's parameter order). The used bits travel
-    as one ASCII byte per unit ('1' used), reduced with MAX (an OR that gloo and NCCL both have)."""
+    """One optimizer's parameters (in its order, which every rank shares) as bytes: ``base``
+    marks each branch parameter _UNUSED (or _KEEP when the model outside the branches uses it
+    too); ``units`` lists, per routing unit, the positions of its parameters."""
 
-    def __init__(self, modules: Sequence[nn.Module], optimizer_params: Sequence[Tensor], root: Optional[nn.Module]):
-        position = {id(p): k for k, p in enumerate(optimizer_params)}
-        branch_modules = {id(b) for m in modules for b in m._unit_modules()}
-        outside = _outside_params(root, branch_modules) if root is not None else set()
-        entries: List[Tuple[int, nn.Module, int, Tuple[Tensor, ...]]] = []
+    def __init__(self, modules: Sequence[Any], params: Sequence[Tensor], root: Optional[nn.Module]):
+        self.params = list(params)
+        position = {id(p): k for k, p in enumerate(self.params)}
+        self.base = bytearray(len(self.params))
+        self.units: List[Tuple[Any, int, List[int]]] = []
         for m in modules:
             for i, ps in enumerate(m._units()):
-                ps = tuple(p for p in ps if id(p) in position)
-                if ps:
-                    entries.append((min(position[id(p)] for p in ps), m, i, ps))
-        entries.sort(key=lambda e: e[0])
-        self.units = [(m, i) for _, m, i, _ in entries]
-        owners: Dict[int, List[int]] = {}
-        params: Dict[int, Tensor] = {}
-        for u, (_, _, _, ps) in enumerate(entries):
-            for p in ps:
-                owners.setdefault(id(p), []).append(u)
-                params[id(p)] = p
-        # A parameter shared by several units is pruned only when all of them went unused.
-        self.groups: List[Tuple[Tuple[int, ...], List[Tensor]]] = []
-        by_units: Dict[Tuple[int, ...], List[Tensor]] = {}
-        for pid, us in owners.items():
-            if pid not in outside:
-                by_units.setdefault(tuple(sorted(set(us))), []).append(params[pid])
-        self.groups = list(by_units.items())
-        self.modules = list(dict.fromkeys(m for m, _ in self.units))
+                ks = [position[id(p)] for p in ps if id(p) in position]
+                if ks:
+                    self.units.append((m, i, ks))
+                    for k in ks:
+                        self.base[k] = _UNUSED
+        if root is not None and self.units:
+            branch_modules = {id(b) for m in modules for b in m._unit_modules()}
+            for pid in _outside_params(root, branch_modules):
+                if pid in position and self.base[position[pid]] == _UNUSED:
+                    self.base[position[pid]] = _KEEP
+        self.modules = list(dict.fromkeys(m for m, _, _ in self.units))
+        self.first = next((self.params[ks[0]] for _, _, ks in self.units), None)
 
-    def take_bits(self) -> Tensor:
-        text = "".join("1" if m._usage.bits >> i & 1 else "0" for m, i in self.units)
-        for m in self.modules:
-            m._usage.bits = 0
-        return torch.frombuffer(bytearray(text, "ascii"), dtype=torch.uint8)
+    def take(self, since: int) -> bytearray:
+        """This rank's bytes: the units that ran since the clock read ``since``."""
+        out = bytearray(self.base)
+        for m, i, ks in self.units:
+            if m._usage.ran_since(i, since):
+                for k in ks:
+                    if out[k] == _UNUSED:
+                        out[k] = _USED
+        return out
 
-    def prune(self, used: bytes) -> int:
-        pruned = 0
-        for units, ps in self.groups:
-            if all(used[u] != _USED for u in units):
-                for p in ps:
-                    if p.grad is not None:
-                        p.grad = None
-                        pruned += 1
+    def prune(self, reduced: bytes) -> int:
+        """Set to None the gradients that every rank's bytes call unused (rank-independent)."""
+        pruned, k = 0, reduced.find(_UNUSED)
+        while k >= 0:
+            p = self.params[k]
+            if p.grad is not None:
+                p.grad = None
+                pruned += 1
+            k = reduced.find(_UNUSED, k + 1)
         return pruned
 
 
-def _bits_device(group: Any) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())  # NCCL reduces device tensors only
-    return torch.device("cpu")
+def bits_device(backend: str, accelerator: Optional[torch.device] = None) -> torch.device:
+    """Where the bytes must live to be reduced by ``backend`` (as ``dist.get_backend`` names it,
+    e.g. ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``): the CPU when a CPU backend serves
+    the group, else the current accelerator device (NCCL reduces device tensors only)."""
+    entries = [e.split(":")[-1].strip().lower() for e in str(backend).split(",")]
+    if any(e in ("gloo", "mpi", "ucc") for e in entries) or "cpu:" in str(backend).lower():
+        return torch.device("cpu")
+    if accelerator is not None:
+        return accelerator
+    if "nccl" in entries and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    raise RuntimeError(
+        f"unused_grads_to_none: cannot tell where the process group's backend {backend!r} reduces "
+        "tensors; pass a process_group served by gloo or NCCL"
+    )
 
 
-def _reduce(bits: Tensor, group: Any) -> bytes:
-    device = _bits_device(group)
-    if device.type == "cuda":
-        bits = bits.pin_memory().to(device, non_blocking=True)
-    dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=group)
-    return bytes(bits.cpu().tolist())
+def _reduce(bits: bytearray, group: Any) -> bytearray:
+    """MAX-all-reduces ``bits`` in place."""
+    host = torch.frombuffer(bits, dtype=torch.uint8)
+    device = bits_device(dist.get_backend(group))
+    t = host if device.type == "cpu" else host.to(device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if t is not host:
+        host.copy_(t)
+    return bits
+
+
+def _mesh_group(p: Optional[Tensor]) -> Any:
+    """The process group of a parameter sharded on a 1-D device mesh (FSDP2), else None."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is not None and getattr(mesh, "ndim", 0) == 1:
+        return mesh.get_group()
+    return None
 
 
 class _Pruner:
@@ -150,29 +234,42 @@ class _Pruner:
     def __init__(self, group: Any = None, root: Optional[nn.Module] = None):
         self.group = group
         self.root = root
-        self._layouts: Dict[int, Tuple[int, int, _Layout]] = {}  # id(optimizer) -> (version, modules, layout)
+        self._layouts: "weakref.WeakKeyDictionary[Any, Tuple[tuple, _Layout]]" = weakref.WeakKeyDictionary()
+        self._since: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # per optimizer
         self.last_pruned = 0
 
-    def layout(self, optimizer: torch.optim.Optimizer, modules: List[nn.Module], root: Optional[nn.Module]) -> _Layout:
-        key = (_structure.version(), len(modules))
-        found = self._layouts.get(id(optimizer))
-        if found is None or found[:2] != key:
+    def layout(self, optimizer: torch.optim.Optimizer, modules: List[Any], root: Optional[nn.Module]) -> _Layout:
+        n = sum(len(g["params"]) for g in optimizer.param_groups)
+        key = (_structure.version(), len(modules), n, id(root))
+        found = self._layouts.get(optimizer)
+        if found is None or found[0] != key:
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            found = (*key, _Layout(modules, params, root))
-            self._layouts[id(optimizer)] = found
-        return found[2]
+            found = (key, _Layout(modules, params, root))
+            self._layouts[optimizer] = found
+        return found[1]
 
-    def run(self, optimizer: torch.optim.Optimizer, modules: List[nn.Module]) -> None:
-        roots = {id(r): r for m in modules for r in [m._usage.root and m._usage.root()] if r is not None}
-        root = self.root if self.root is not None else (next(iter(roots.values())) if len(roots) == 1 else None)
+    def run(self, optimizer: torch.optim.Optimizer, modules: List[Any], distributed: bool) -> None:
+        root = self.root
+        if root is None:
+            roots = {id(r): r for m in modules for r in [m._usage.root and m._usage.root()] if r is not None}
+            root = next(iter(roots.values())) if len(roots) == 1 else None
         layout = self.layout(optimizer, modules, root)
+        now = _now[0]
+        _now[0] = now + 1  # calls from here on count towards this optimizer's next step
+        since, self._since[optimizer] = self._since.get(optimizer, 0), now + 1
         if not layout.units:
             return
-        group = self.group
-        if group is None:
-            group = next((m._usage.group for m in layout.modules if m._usage.group is not None), None)
-        used = _reduce(layout.take_bits(), group if group is not None else dist.group.WORLD)
-        self.last_pruned = layout.prune(used)
+        for m in layout.modules:
+            m._usage.harvest(now)
+        bits = layout.take(since)
+        if distributed:
+            group = self.group
+            if group is None:
+                group = next((m._usage.group for m in layout.modules if m._usage.group is not None), None)
+            if group is None:
+                group = _mesh_group(layout.first) or dist.group.WORLD
+            bits = _reduce(bits, group)
+        self.last_pruned = layout.prune(bytes(bits))
 
 
 _explicit: "weakref.WeakKeyDictionary[torch.optim.Optimizer, UnusedGradsToNone]" = weakref.WeakKeyDictionary()
@@ -206,13 +303,32 @@ def _after_closure(optimizer, args: tuple, kwargs: dict, prune) -> Optional[Tupl
     return (*args[:at], closure_then_prune, *args[at + 1:]), kwargs
 
 
+def _check_fsdp2(modules: List[Any]) -> None:
+    """FSDP2 reduces only the gradients that are defined, pairing them by position across
+    ranks: undefined gradients of skipped branches (``materialize_grads=False``) make it average
+    different parameters together. Its sharded parameters (DTensors) show it at the step."""
+    for m in modules:
+        if m.materialize_grads is False and getattr(next(m.parameters(), None), "device_mesh", None) is not None:
+            raise RuntimeError(
+                f"{type(m).__name__}(materialize_grads=False) under FSDP2 (fully_shard): FSDP2 reduces "
+                "only defined gradients, so ranks that skipped different branches averaged different "
+                "parameters together in this step's backward. Use materialize_grads=None (the "
+                "default, zeros under FSDP2) or True."
+            )
+
+
 def _before_any_step(optimizer, args, kwargs) -> Optional[Tuple[tuple, dict]]:
-    if not (dist.is_available() and dist.is_initialized()) or optimizer in _explicit:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    routing = list(_registry)
+    _check_fsdp2(routing)
+    if optimizer in _explicit:
         return None
     taken = {id(m) for h in _explicit.values() for m in h.modules}
-    modules = [m for m in list(_registry) if m.materialize_grads is None and id(m) not in taken]
+    modules = [m for m in routing if m.materialize_grads is None and id(m) not in taken]
+    modules += [u for u in list(_functional.values()) if u.module() is not None]
     if modules:
-        return _after_closure(optimizer, args, kwargs, lambda: _auto.run(optimizer, modules))
+        return _after_closure(optimizer, args, kwargs, lambda: _auto.run(optimizer, modules, True))
     return None
 
 
@@ -228,7 +344,8 @@ class UnusedGradsToNone:
         ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         root = model.module if ddp else model
         self.modules = [m for m in root.modules() if isinstance(getattr(m, "_usage", None), Usage)]
-        if not self.modules:
+        self._root = root
+        if not self.modules and not any(m in _functional for m in root.modules()):
             raise ValueError("model: contains no MaskedBranch or ResidualDropPath, so no parameter can be found unused")
         if process_group is None and ddp:
             process_group = model.process_group
@@ -241,15 +358,18 @@ class UnusedGradsToNone:
     def last_pruned(self) -> int:
         return self._pruner.last_pruned
 
+    def _units(self) -> List[Any]:
+        if not _functional:
+            return self.modules
+        inside = {id(m) for m in self._root.modules()}
+        return self.modules + [u for m, u in list(_functional.items()) if id(m) in inside]
+
     def _before_step(self, optimizer, args, kwargs) -> Optional[Tuple[tuple, dict]]:
         return _after_closure(optimizer, args, kwargs, lambda: self._prune(optimizer))
 
     def _prune(self, optimizer) -> None:
-        if dist.is_available() and dist.is_initialized():
-            self._pruner.run(optimizer, self.modules)
-        else:  # one process: the bits alone say what ran
-            layout = self._pruner.layout(optimizer, self.modules, self._pruner.root)
-            self._pruner.last_pruned = layout.prune(bytes(layout.take_bits().tolist()))
+        distributed = dist.is_available() and dist.is_initialized()
+        self._pruner.run(optimizer, self._units(), distributed)
 
     def remove(self) -> None:
         self._handle.remove()
@@ -267,9 +387,11 @@ def unused_grads_to_none(
     and ``find_unused_parameters=True``.
 
     Distributed jobs do this by default for modules with ``materialize_grads=None``; call this
-    to do it for modules with an explicit setting, for one process, or with another
-    ``process_group`` (default: the DDP wrapper's group, else the default group). Parameters
-    shared with a module outside the branches are never pruned; a parameter shared by branches is
-    pruned only when all of them went unused. Calls under ``torch.no_grad()`` do not count as use.
+    to do it for modules with an explicit setting, for one process, to name the model (FSDP2 or
+    hand-written averaging with parameters shared between a branch and the rest of the model),
+    or with another ``process_group`` (default: the DDP wrapper's group, else the group of
+    FSDP2's 1-D mesh, else the default group). Parameters shared with a module outside the
+    branches are never pruned; a parameter shared by branches is pruned only when all of them
+    went unused. Calls under ``torch.no_grad()`` do not count as use.
     """
     return UnusedGradsToNone(optimizer, model, process_group)

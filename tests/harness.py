@@ -6,6 +6,10 @@
 * ``run_ranks`` / ``results_of``: real multi-process jobs (spawned, gloo, as torchrun starts them).
 * ``conversions_replace_parameters``: ``.to()`` that replaces parameter objects.
 * ``accumulator_hooks``: hooks where DDP's reducer learns that a gradient is ready.
+* ``training_state`` / ``state_diff``: parameters and gradients of a model, compared with a
+  reference model's (the DDP, FSDP2 and pruning tests).
+* ``ReferenceResidual``: the residual blocks ResidualDropPath replaces (timm's dense formula, or
+  the block that skips its dropped rows' branch), drawing as it draws.
 * ``rss``: resident memory of this process.
 """
 import contextlib
@@ -111,3 +115,54 @@ def rss() -> int:
     """Resident set size of this process in bytes (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def training_state(model) -> dict:
+    """name -> (parameter, gradient or None), copied; DTensors (FSDP2) as full tensors (a
+    collective: every rank calls it in the same order)."""
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    return {
+        k: (full(p.detach()).clone(), None if p.grad is None else full(p.grad.detach()).clone())
+        for k, p in model.named_parameters()
+    }
+
+
+def state_diff(a: dict, b: dict):
+    """(largest difference between the parameters and gradients of two training states, names
+    whose gradient is None in one and not the other)."""
+    worst, none_mismatch = 0.0, []
+    for k, (p, g) in a.items():
+        q, h = b[k]
+        worst = max(worst, float((p - q).abs().max()))
+        if (g is None) != (h is None):
+            none_mismatch.append(k)
+        elif g is not None:
+            worst = max(worst, float((g - h).abs().max()))
+    return worst, none_mismatch
+
+
+class ReferenceResidual(torch.nn.Module):
+    """The code ResidualDropPath replaces, drawing as it does (host Bernoulli draws from
+    ``generator``, per row or per batch): ``dense=True``: timm's ``x + drop_path(branch(x))``
+    (every row through the branch, dropped ones times 0: zero gradients when all are dropped);
+    ``dense=False``: the block that skips the dropped rows' branch (``x + branch(x) / keep_prob``
+    on the kept rows; no gradient at all when none is kept)."""
+
+    def __init__(self, branch, drop_prob, mode, generator, dense):
+        super().__init__()
+        self.branch, self.drop_prob, self.mode, self.generator, self.dense = branch, drop_prob, mode, generator, dense
+
+    def forward(self, x):
+        keep = 1.0 - self.drop_prob
+        mask = torch.empty(x.shape[0] if self.mode == "row" else 1).bernoulli_(keep, generator=self.generator)
+        if self.dense:
+            scale = (mask.to(x.dtype) * (1 / keep)).reshape((-1,) + (1,) * (x.dim() - 1))
+            return x + self.branch(x) * scale
+        rows = mask.nonzero().flatten() if self.mode == "row" else torch.arange(x.shape[0] if mask[0] else 0)
+        if rows.numel() == 0:
+            return x
+        if rows.numel() == x.shape[0]:
+            return x + self.branch(x) * (1 / keep)
+        return x.index_add(0, rows, self.branch(x.index_select(0, rows)) * (1 / keep))

@@ -1,131 +1,178 @@
-"""ResidualDropPath under DistributedDataParallel with find_unused_parameters=False: real
-processes (torch.multiprocessing spawn, gloo on CPU), 4 ranks, 50 steps per configuration.
+"""ResidualDropPath and drop_add_residual under DistributedDataParallel, real processes (4 ranks,
+gloo): they train exactly as the code they replace, whatever the DDP setting.
 
-Ranks skip branches independently (each rank draws its own masks), so on many steps a branch
-runs on some ranks and not on others: the case where plain if/else silently fails to average
-gradients and then raises "Expected to have finished reduction in the prior iteration".
+* By default (``materialize_grads=True``) the code replaced is timm's ``x + drop_path(branch(x))``:
+  every branch's parameters get a gradient, zeros where every row was dropped, which plain DDP
+  averages and the optimizer then steps (momentum, weight decay), as for timm.
+* With ``materialize_grads=None`` it is the block that skips its branch when dropped
+  (``x + branch(x) / keep_prob`` on the kept rows, ``x`` where none is), which DDP needs
+  ``find_unused_parameters=True`` for: a branch dropped on every rank gets no gradient at all,
+  and the optimizer leaves it alone.
+
+One model holds both kinds of blocks (and drop_add_residual with ``None``); the reference holds
+the replaced blocks, under DDP(find_unused_parameters=True). Every rank draws its own masks (the
+reference replays the same draws), so on many steps a branch runs on some ranks and not on
+others, and on some steps on none.
 """
-import copy
+import contextlib
 import os
+import traceback
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import maskedbranch as mb
 
-WORLD = 4
-STEPS = 50
-WIDTH = 16
-PER_RANK_BATCH = 3  # small, so that "row" mode also drops every row of a rank now and then
+from harness import ReferenceResidual, results_of, run_ranks, state_diff, training_state
 
-# (mode, drop probabilities of the blocks, identical draws on every rank)
-CONFIGS = [
-    ("batch", (0.5, 0.3, 0.7), False),
-    ("row", (0.5, 0.3, 0.7), False),
-    ("batch", (0.5, 0.5, 0.5), True),
-    ("row", (0.6, 0.6, 0.6), True),
+WORLD = 4
+STEPS = 6
+WIDTH = 8
+BLOCKS = ((0.5, True), (0.97, None), (0.9, True))  # ResidualDropPath (drop_prob, materialize_grads)
+# then one drop_add_residual block at 0.6, materialize_grads=None
+TIMEOUT_S = 240
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"),
 ]
 
 
-class Branch(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.norm = nn.LayerNorm(c)
-        self.fc1 = nn.Linear(c, 2 * c)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(2 * c, c)
-        self.calls = 0  # forward calls (the branch did run)
+def make_branch():
+    return nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
 
-    def forward(self, x):
-        self.calls += 1
-        return self.fc2(self.act(self.fc1(self.norm(x))))
+
+def generator(seed):
+    return torch.Generator().manual_seed(seed)
 
 
 class Net(nn.Module):
-    def __init__(self, mode, probs, generator):
+    def __init__(self, mode, seed, masked):
         super().__init__()
-        self.inp = nn.Linear(8, WIDTH)
+        self.masked, self.mode = masked, mode
+        self.inp = nn.Linear(5, WIDTH)
         self.blocks = nn.ModuleList(
-            mb.ResidualDropPath(Branch(WIDTH), p, mode, generator=generator) for p in probs
+            (mb.ResidualDropPath(make_branch(), p, mode, generator=generator(seed + i), **({} if m else {"materialize_grads": m}))
+             if masked else ReferenceResidual(make_branch(), p, mode, generator(seed + i), dense=m is True))
+            for i, (p, m) in enumerate(BLOCKS)
         )
+        self.last = make_branch()  # through drop_add_residual (the functional form)
+        self.last_generator = generator(seed + 99)
         self.head = nn.Linear(WIDTH, 1)
 
     def forward(self, x):
         h = self.inp(x)
         for block in self.blocks:
             h = block(h)
-        return self.head(h.mean(1))
+        if self.masked:
+            h = mb.drop_add_residual(h, self.last, 0.6, self.training, self.mode, generator=self.last_generator, materialize_grads=None)
+        else:
+            h = ReferenceResidual(self.last, 0.6, self.mode, self.last_generator, dense=False)(h)
+        return self.head(h).mean(1)
 
 
-def flat_grads(model):
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+def make_optimizers(model):
+    """Two optimizers with momentum and weight decay, each over some routed blocks."""
+    m = model.module
+    first = [*m.inp.parameters(), *m.blocks[0].parameters(), *m.blocks[2].parameters()]
+    taken = {id(p) for p in first}
+    return [
+        torch.optim.SGD(first, lr=0.05, momentum=0.9, weight_decay=0.01),
+        torch.optim.AdamW([p for p in m.parameters() if id(p) not in taken], lr=0.01, weight_decay=0.01),
+    ]
 
 
-def run_config(rank, mode, probs, identical):
+def train(rank, group, mode, identical=False, accumulate=1, **ddp_kwargs):
     torch.manual_seed(0)  # identical initial weights on every rank
     seed = 1234 if identical else 1234 + 7919 * rank
-    model = Net(mode, probs, torch.Generator().manual_seed(seed))
-    reference = copy.deepcopy(model)  # same weights, same generator state: replays this rank's draws
-    ddp = DDP(model, find_unused_parameters=False)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    data = torch.Generator().manual_seed(100 + rank)  # different data on every rank
-    ran = []  # per step: did each block's branch run on this rank?
+    masked = Net(mode, seed, True).double()
+    ifelse = Net(mode, seed, False).double()
+    ifelse.load_state_dict(masked.state_dict())  # same keys: blocks.0.branch.1.weight, ...
+    models = {
+        "masked": DDP(masked, process_group=group, **ddp_kwargs),
+        "ifelse": DDP(ifelse, process_group=group, find_unused_parameters=True),
+    }
+    opts = {k: make_optimizers(m) for k, m in models.items()}
+    data = generator(100 + rank)  # different data on every rank
+    calls = [0] * len(BLOCKS)  # forward calls of each ResidualDropPath's branch on this rank
+    for i, block in enumerate(masked.blocks):
+        block.branch.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    worst, none_mismatch, none_grads, ran, history = 0.0, [], 0, [], []
     for step in range(STEPS):
-        x = torch.randn(PER_RANK_BATCH, 5, 8, generator=data)
-        target = torch.randn(PER_RANK_BATCH, 1, generator=data)
-        before = [b.branch.calls for b in model.blocks]
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(ddp(x), target)
-        loss.backward()
-        ran.append([int(b.branch.calls > c) for b, c in zip(model.blocks, before)])
-        if step == 0:
-            # the averaged gradient equals the mean of the ranks' own gradients
-            nn.functional.mse_loss(reference(x), target).backward()
-            want = flat_grads(reference)
-            dist.all_reduce(want)
-            want /= WORLD
-            torch.testing.assert_close(flat_grads(model), want, rtol=1e-5, atol=1e-6)
-        opt.step()
-
-    # parameters identical on every rank
-    params = torch.cat([p.detach().flatten() for p in model.parameters()])
-    gathered = [torch.empty_like(params) for _ in range(WORLD)]
-    dist.all_gather(gathered, params)
-    assert torch.isfinite(params).all(), f"{mode}: training diverged"
-    for r, other in enumerate(gathered):
-        assert torch.equal(other, params), f"{mode}: parameters of rank {r} differ from rank {rank}"
-
-    # the run exercised what it should: ranks disagreeing about running a branch (independent
-    # draws) or always agreeing (identical draws), and branches skipped on some steps
-    ran = torch.tensor(ran)
-    all_ran = [torch.empty_like(ran) for _ in range(WORLD)]
-    dist.all_gather(all_ran, ran)
-    stacked = torch.stack(all_ran)  # [world, steps, blocks]
-    disagree = (stacked.amin(0) != stacked.amax(0)).sum().item()
-    if identical:
-        assert disagree == 0, f"{mode}: identical draws, yet ranks disagreed {disagree} times"
-    else:
-        assert disagree > 0, f"{mode}: ranks never disagreed; the test does not exercise skipping"
-    assert (stacked == 0).any(), f"{mode}: no branch was ever skipped"
+        batches = [(torch.randn(3, 4, 5, generator=data, dtype=torch.float64), torch.randn(3, 1, generator=data, dtype=torch.float64))
+                   for _ in range(accumulate)]
+        before = list(calls)
+        for k, model in models.items():
+            model.zero_grad(set_to_none=True)
+            for micro, (x, t) in enumerate(batches):
+                quiet = model.no_sync() if micro < accumulate - 1 else contextlib.nullcontext()
+                with quiet:
+                    (model(x) - t).square().mean().backward()
+            for opt in opts[k]:
+                opt.step()
+        ran.append([int(c > b) for c, b in zip(calls, before)])
+        w, nm = state_diff(training_state(masked), training_state(ifelse))
+        worst = max(worst, w)
+        none_mismatch += [(step, name) for name in nm]
+        none_grads += sum(p.grad is None for p in ifelse.parameters())
+        history.append(torch.cat([p.detach().reshape(-1) for p in masked.parameters()]))
+    return {"worst": worst, "none_mismatch": none_mismatch, "none_grads": none_grads, "ran": ran, "history": history}
 
 
-def worker(rank, init_file):
+SETTINGS = {
+    "default": {},
+    "find_unused_parameters": dict(find_unused_parameters=True),
+    "static_graph": dict(static_graph=True),
+    "gradient_as_bucket_view": dict(gradient_as_bucket_view=True),
+    "no_sync": dict(accumulate=2),
+}
+CASES = {f"{mode}-{name}": dict(mode=mode, **kw) for mode in ("row", "batch") for name, kw in SETTINGS.items()}
+CASES["batch-identical-draws"] = dict(mode="batch", identical=True)
+
+
+def _worker(rank, world, init_file, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        for mode, probs, identical in CONFIGS:
-            run_config(rank, mode, probs, identical)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
+    )
+    results = {}
+    for name, case in CASES.items():
+        group = dist.new_group(backend="gloo")
+        try:
+            results[name] = ("ok", train(rank, group, **case))
+        except Exception:  # reported by the test that reads it
+            results[name] = ("error", traceback.format_exc())
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
-@pytest.mark.distributed
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
-def test_residual_drop_path_ddp_gloo(tmp_path):
-    init_file = os.path.join(tmp_path, "pg_init")
-    mp.spawn(worker, args=(init_file,), nprocs=WORLD, join=True)
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_worker, WORLD, TIMEOUT_S, "the DDP job")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_trains_as_the_replaced_blocks(ranks, case):
+    per_rank = results_of(ranks, case)
+    for r, res in enumerate(per_rank):
+        assert res["worst"] < 1e-10, f"rank {r}: parameters or gradients differ from the reference by {res['worst']}"
+        assert not res["none_mismatch"], f"rank {r}: None gradients differ from the reference at {res['none_mismatch'][:5]}"
+    for r in range(1, WORLD):
+        for step, (a, b) in enumerate(zip(per_rank[0]["history"], per_rank[r]["history"])):
+            assert torch.equal(a, b), f"rank {r}: parameters differ from rank 0's after step {step}"
+    # the run exercised what it should: blocks skipped on every rank at once (the skipping
+    # reference then left their gradients None), and ranks disagreeing about a block (independent
+    # draws) or never
+    assert all(res["none_grads"] > 0 for res in per_rank), "no skipping block was dropped on every rank at once"
+    ran = torch.tensor([res["ran"] for res in per_rank])  # [rank, step, block]
+    assert bool((ran.amax(0) == 0).any()), "no block was skipped on every rank at once"
+    disagree = int((ran.amin(0) != ran.amax(0)).sum())
+    if CASES[case].get("identical"):
+        assert disagree == 0, f"identical draws, yet the ranks disagreed {disagree} times"
+    else:
+        assert disagree > 0, "the ranks never disagreed about running a block"

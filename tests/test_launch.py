@@ -1,9 +1,9 @@
 """Real launches with torchrun (CPU, gloo):
 
 * two nodes on loopback: two torchrun agents (--nnodes=2, c10d rendezvous on 127.0.0.1, two
-  processes each) run the demo model (tests/launch_scripts/demo_check.py), which checks the
-  reference case's averaged gradients and bitwise-identical parameters after training on every
-  rank;
+  processes each) run examples/masked_after.py (small), which checks the reference case's
+  averaged gradients on every rank (for the world size it runs on) and bitwise-identical
+  replicas after a DistributedSampler training, and prints PASS;
 * a fault: rank 1 raises inside a branch (tests/launch_scripts/fault.py); torchrun must end the
   job with a non-zero status well before the timeout and report the failure.
 """
@@ -23,6 +23,7 @@ import pytest
 import torch.distributed as dist
 
 SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TIMEOUT_S = 180
 
 pytestmark = [
@@ -77,7 +78,7 @@ def run_all(commands: List[List[str]], cwd: Path) -> List[Tuple[int, str, float]
     return results
 
 
-def test_two_nodes_on_loopback_run_the_demo_model(tmp_path):
+def test_two_nodes_on_loopback_run_the_example(tmp_path):
     port = free_port()
     common = [
         "--nnodes=2",
@@ -87,14 +88,16 @@ def test_two_nodes_on_loopback_run_the_demo_model(tmp_path):
         "--rdzv_id=maskedbranch-launch-test",
         "--local_addr=127.0.0.1",
     ]
-    script = str(SCRIPTS / "demo_check.py")
+    script = [str(EXAMPLES / "masked_after.py"), "--cpu", "--epochs=1", "--samples=1024", "--batch-size=64"]
     results = run_all(
-        [torchrun(*common, "--node_rank=0", script), torchrun(*common, "--node_rank=1", script)], cwd=tmp_path
+        [torchrun(*common, "--node_rank=0", *script), torchrun(*common, "--node_rank=1", *script)], cwd=tmp_path
     )
     for node, (rc, out, _) in enumerate(results):
         assert rc == 0, f"node {node}: torchrun exited with {rc}; output:\n{out[-6000:]}"
     outputs = "\n".join(out for _, out, _ in results)
-    assert outputs.count("DEMO OK world=4 nodes=[(0, 0), (0, 1), (1, 0), (1, 1)]") == 1, outputs[-6000:]
+    assert outputs.count("== after: MaskedBranch, 4 ranks, gloo on cpu ==") == 1, outputs[-6000:]
+    assert outputs.count("on every rank): PASS") == 3 and "FAIL" not in outputs, outputs[-6000:]
+    assert outputs.count("masked_after: PASS") == 1, outputs[-6000:]
 
 
 def test_a_rank_raising_inside_a_branch_ends_the_job(tmp_path):

@@ -1,9 +1,11 @@
-"""unused_grads_to_none: parameters of branches that no rank ran get a None gradient before the
-optimizer step, so that training equals if/else routing with find_unused_parameters=True (momentum,
-Adam moments and weight decay leave such parameters alone).
+"""The step-time pruning (maskedbranch/unused_grads.py): parameters of branches that no rank ran
+get a None gradient before the optimizer step, so that training equals if/else routing with
+find_unused_parameters=True (momentum, Adam moments and weight decay leave them alone).
 
-Single-process checks of which parameters are pruned, then a 4-rank gloo job that trains the same
-model three ways and compares parameters and optimizer state after every step.
+One process: the explicit handle (``unused_grads_to_none``) with modules that materialize zero
+gradients, its edge cases, and where the reduced bytes must live per backend. Then a 2-rank gloo
+job: hand-written averaging without DDP (the default hook, default group), the explicit handle
+under DDP, and a parameter shared between a branch and the rest of the model.
 """
 import copy
 import os
@@ -16,15 +18,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from maskedbranch import MaskedBranch, ResidualDropPath, reference, unused_grads_to_none
+from maskedbranch import MaskedBranch, ResidualDropPath, reference, unused_grads, unused_grads_to_none
 
-from rank_jobs import results_of, run_ranks
+from harness import results_of, run_ranks, state_diff, training_state
 
-WORLD = 4
 N = 3
 D = 6
 ROWS = 8
-TIMEOUT_S = 240
 
 
 def mlp():
@@ -32,154 +32,172 @@ def mlp():
 
 
 class Net(nn.Module):
-    """Two routed layers between a trunk and a head; ``mode`` "masked" or "ifelse"."""
+    """Two routed layers between a trunk and a head; ``masked=False``: the if/else model."""
 
-    def __init__(self, materialize=False):
+    def __init__(self, materialize=True, masked=True):
         super().__init__()
+        self.masked = masked
         self.pre = nn.Linear(4, D)
-        self.layers = nn.ModuleList(
-            MaskedBranch([mlp() for _ in range(N)], materialize_grads=materialize) for _ in range(2)
-        )
+        make = (lambda: MaskedBranch([mlp() for _ in range(N)], materialize_grads=materialize)) if masked else (
+            lambda: nn.ModuleList(mlp() for _ in range(N)))
+        self.layers = nn.ModuleList(make() for _ in range(2))
         self.head = nn.Linear(D, 2)
-        self.mode = "masked"
 
     def forward(self, x, gates):
         h = torch.tanh(self.pre(x))
         for layer, gate in zip(self.layers, gates):
-            if self.mode == "masked":
-                y = layer(h, gate)
-            else:
-                y = reference.masked_branch_ifelse(list(layer.branches), h, gate)
+            y = layer(h, gate) if self.masked else reference.masked_branch_ifelse(list(layer), h, gate)
             h = h + (0 if y is None else y)
         return self.head(h)
 
 
-def gates_for(step, rank, kind):
-    g = torch.Generator().manual_seed(step * 131 + rank * 7 + 1)
-    if kind == "int":  # often the same branch on every rank: some branches go unused globally
-        return [int(torch.randint(-1, N, (), generator=g)) if (step + rank) % 3 else step % N for _ in range(2)]
-    ids = torch.randint(-1, N - 1, (ROWS,), generator=g)  # the last branch never runs
-    if step % 4 == 0:
-        ids[:] = 0 if rank % 2 else 1
-    return [ids, ids.flip(0)]
-
-
-def data(step, rank):
+def data(step, rank=0):
     g = torch.Generator().manual_seed(10_000 + step * 17 + rank)
     return torch.randn(ROWS, 4, generator=g, dtype=torch.float64), torch.randn(ROWS, 2, generator=g, dtype=torch.float64)
 
 
-def make_optimizer(name, params):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-2)
-    return torch.optim.AdamW(params, lr=0.01, weight_decay=1e-2)
+def loss_of(model, step, gates, rank=0):
+    x, t = data(step, rank)
+    return (model(x, gates) - t).square().mean()
 
 
-def max_param_diff(a, b):
-    return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-2)
 
 
-def state_keys(model, opt):
-    names = {id(p): k for k, p in model.named_parameters()}
-    return sorted(names[id(p)] for p in opt.state)
+def grads_none(module):
+    return [p.grad is None for p in module.parameters()]
 
 
 # ----------------------------------------------------------------------------------------------
 # One process.
 
 
-def test_dead_branches_pruned_and_state_untouched():
+def test_dead_branches_pruned_and_optimizer_state_untouched():
     torch.manual_seed(0)
-    model = Net(materialize=True).double()
-    opt = make_optimizer("sgd", model.parameters())
-    hook = unused_grads_to_none(opt, model)
-    x, t = data(0, 0)
-    (model(x, [0, 2]) - t).square().mean().backward()
-    # materialize_grads: every parameter has a gradient before the step ...
-    assert all(p.grad is not None for p in model.parameters())
+    model = Net().double()
+    opt = sgd(model.parameters())
+    handle = unused_grads_to_none(opt, model)
+    loss_of(model, 0, [0, 2]).backward()
+    assert all(p.grad is not None for p in model.parameters())  # zeros before the step ...
     opt.step()
-    # ... the unused branches' were set to None, so the optimizer kept no state for them
-    assert hook.last_pruned == 2 * 2 * 4  # 2 layers x 2 unused branches x 4 tensors
-    for li, used in ((0, 0), (1, 2)):
-        for i, branch in enumerate(model.layers[li].branches):
+    assert handle.last_pruned == 2 * 2 * 4  # ... 2 layers x 2 unused branches x 4 tensors pruned
+    for layer, used in zip(model.layers, (0, 2)):
+        for i, branch in enumerate(layer):
             for p in branch.parameters():
-                assert (p.grad is not None) == (i == used)
-                assert (p in opt.state) == (i == used)
+                assert (p.grad is not None) == (i == used) and (p in opt.state) == (i == used)
     assert model.pre.weight.grad is not None and model.head.weight.grad is not None
 
 
-def test_matches_ifelse_in_one_process():
-    """Without DDP: masked + hook equals the if/else model step by step, with momentum."""
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_matches_ifelse_in_one_process(optimizer):
     torch.manual_seed(1)
-    masked = Net(materialize=True).double()
-    ifelse = copy.deepcopy(masked)
-    ifelse.mode = "ifelse"
-    opts = {k: make_optimizer("adamw", m.parameters()) for k, m in (("m", masked), ("i", ifelse))}
-    unused_grads_to_none(opts["m"], masked)
-    for step in range(12):
-        x, t = data(step, 0)
-        gates = gates_for(step, 0, "int")
-        for k, m in (("m", masked), ("i", ifelse)):
-            opts[k].zero_grad()
-            (m(x, gates) - t).square().mean().backward()
-            opts[k].step()
-        assert max_param_diff(masked, ifelse) < 1e-12
-    assert state_keys(masked, opts["m"]) == state_keys(ifelse, opts["i"])
+    masked = Net().double()
+    ifelse = Net(masked=False).double()
+    ifelse.load_state_dict(masked.state_dict())
+    make = sgd if optimizer == "sgd" else (lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=1e-2))
+    opts = [make(m.parameters()) for m in (masked, ifelse)]
+    unused_grads_to_none(opts[0], masked)
+    for step in range(8):
+        gates = [step % N, torch.randint(-1, N - 1, (ROWS,), generator=torch.Generator().manual_seed(step))]
+        for m, opt in zip((masked, ifelse), opts):
+            opt.zero_grad()
+            loss_of(m, step, gates).backward()
+            opt.step()
+        worst, none_mismatch = state_diff(training_state(masked), training_state(ifelse))
+        assert worst < 1e-12 and not none_mismatch, (step, worst, none_mismatch)
+    assert len(opts[0].state) == len(opts[1].state)
 
 
 def test_no_grad_calls_do_not_count():
-    model = Net(materialize=True).double()
-    opt = make_optimizer("sgd", model.parameters())
-    hook = unused_grads_to_none(opt, model)
-    x, t = data(0, 0)
-    (model(x, [0, 0]) - t).square().mean().backward()
+    model = Net().double()
+    opt = sgd(model.parameters())
+    handle = unused_grads_to_none(opt, model)
+    loss_of(model, 0, [0, 0]).backward()
     with torch.no_grad():
-        model(x, [1, 1])  # an evaluation between backward and step
+        model(data(0)[0], [1, 1])  # an evaluation between backward and step
     opt.step()
-    assert hook.last_pruned == 2 * 2 * 4
-    assert model.layers[0].branches[1][0].weight.grad is None
+    assert handle.last_pruned == 2 * 2 * 4
+    assert all(grads_none(model.layers[0][1]))
 
 
-def test_bits_accumulate_until_the_step():
+def test_use_accumulates_until_the_step():
     """Gradient accumulation: a branch used by any micro-batch since the last step is kept."""
-    model = Net(materialize=True).double()
-    opt = make_optimizer("sgd", model.parameters())
-    hook = unused_grads_to_none(opt, model)
-    x, t = data(0, 0)
+    model = Net().double()
+    opt = sgd(model.parameters())
+    handle = unused_grads_to_none(opt, model)
     for gates in ([0, 0], [1, 0]):
-        (model(x, gates) - t).square().mean().backward()
+        loss_of(model, 0, gates).backward()
     opt.step()
-    assert hook.last_pruned == (1 + 2) * 4  # layer 0: branch 2; layer 1: branches 1 and 2
+    assert handle.last_pruned == (1 + 2) * 4  # layer 0: branch 2; layer 1: branches 1 and 2
     opt.zero_grad()
-    (model(x, [2, 2]) - t).square().mean().backward()
-    opt.step()  # the bits were reset by the previous step
-    assert hook.last_pruned == 2 * 2 * 4
+    loss_of(model, 1, [2, 2]).backward()
+    opt.step()  # the step reset what was used
+    assert handle.last_pruned == 2 * 2 * 4
 
 
-def test_branch_inserted_without_registration():
-    """ModuleList.insert registers nothing, so the hook's layout stays the old one: the new
-    branch is never pruned, and its bit must not shift the other layers' bits."""
-    model = Net(materialize=True).double()
-    new = mlp().double()  # built first: building a module registers its children
-    opt = make_optimizer("sgd", model.parameters())
+def test_several_optimizers_prune_their_own_parameters():
+    model = Net().double()
+    first = sgd(model.layers[0].parameters())
+    rest = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.startswith("layers.0.")], lr=0.01)
+    handles = [unused_grads_to_none(first, model), unused_grads_to_none(rest, model)]
+    loss_of(model, 0, [1, 2]).backward()
+    first.step()
+    assert handles[0].last_pruned == 2 * 4 and all(grads_none(model.layers[0][0])) and not any(grads_none(model.layers[0][1]))
+    assert not any(grads_none(model.layers[1][0]))  # not this optimizer's: untouched so far
+    rest.step()
+    assert handles[1].last_pruned == 2 * 4 and all(grads_none(model.layers[1][0])) and not any(grads_none(model.layers[1][2]))
+
+
+def test_one_branch_split_across_two_optimizers():
+    """Weights in one optimizer, biases in another (as with Muon and AdamW): each step judges
+    what ran since its own previous step, so the second one still sees the branch that ran."""
+    model = Net().double()
+    names = dict(model.named_parameters())
+    opts = [sgd([p for n, p in names.items() if n.endswith("weight")]),
+            torch.optim.AdamW([p for n, p in names.items() if n.endswith("bias")], lr=0.01)]
+    for opt in opts:
+        unused_grads_to_none(opt, model)
+    for step in range(3):
+        for opt in opts:
+            opt.zero_grad()
+        loss_of(model, step, [step, 0]).backward()
+        for opt in opts:
+            opt.step()
+        for i, branch in enumerate(model.layers[0]):
+            assert grads_none(branch) == [i != step] * 4, (step, i)
+
+
+def test_branch_added_after_construction():
+    """Inserted without the optimizer knowing it: never pruned, and the other branches' flags
+    do not shift. Appended and given to the optimizer: pruned like the others."""
+    model = Net().double()
+    inserted, appended = mlp().double(), mlp().double()
+    opt = sgd(model.parameters())
     unused_grads_to_none(opt, model)
-    x, t = data(0, 0)
-    (model(x, [0, 0]) - t).square().mean().backward()
+    loss_of(model, 0, [0, 0]).backward()
     opt.step()
     opt.zero_grad()
-    model.layers[0].branches.insert(N, new)
-    (model(x, [N, 0]) - t).square().mean().backward()
+    model.layers[0].insert(N, inserted)
+    loss_of(model, 1, [N, 0]).backward()
     opt.step()
-    assert all(p.grad is not None for p in new.parameters())
-    for i, branch in enumerate(model.layers[1].branches):
-        assert all((p.grad is not None) == (i == 0) for p in branch.parameters())
+    assert not any(grads_none(inserted))
+    assert [all(grads_none(b)) for b in model.layers[1]] == [False, True, True]
+    model.layers[1].append(appended)
+    opt.add_param_group({"params": list(appended.parameters())})
+    opt.zero_grad()
+    loss_of(model, 2, [0, 0]).backward()
+    for p in appended.parameters():  # a stale gradient: pruned since the branch did not run
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(grads_none(appended)) and all(grads_none(model.layers[1][1]))
 
 
-def test_shared_parameters():
+def test_parameters_shared_with_the_trunk_are_never_pruned():
     trunk = nn.Linear(D, D)
     a, b, c = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
     b.weight = a.weight  # shared by branches 0 and 1
-    c.weight = trunk.weight  # shared with the trunk: never pruned
+    c.weight = trunk.weight  # shared with the trunk
 
     class M(nn.Module):
         def __init__(self):
@@ -202,14 +220,13 @@ def test_shared_parameters():
     opt.zero_grad()
     model(x, 2).sum().backward()
     opt.step()
-    assert a.weight.grad is None and a.bias.grad is None and b.bias.grad is None
+    assert a.weight.grad is None and a.bias.grad is None and b.bias.grad is None and c.weight.grad is not None
 
 
 def test_nested_and_residual_drop_path():
     inner = MaskedBranch([mlp(), mlp()], materialize_grads=True)
     outer = MaskedBranch([nn.Sequential(inner), mlp()], materialize_grads=True)
-    gen = torch.Generator().manual_seed(0)
-    rdp = ResidualDropPath(mlp(), drop_prob=0.999, mode="batch", generator=gen, materialize_grads=True)
+    rdp = ResidualDropPath(mlp(), drop_prob=0.999, mode="batch", generator=torch.Generator().manual_seed(0), materialize_grads=True)
 
     class M(nn.Module):
         def __init__(self):
@@ -217,40 +234,52 @@ def test_nested_and_residual_drop_path():
             self.outer, self.rdp = outer, rdp
 
         def forward(self, x, k, j):
-            # k = 0: the inner layer is called directly (outer records nothing for branch 0)
             return self.rdp(self.outer(x, k) if k != 0 else inner(x, j))
 
     model = M()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    hook = unused_grads_to_none(opt, model)
+    handle = unused_grads_to_none(opt, model)
     x = torch.randn(4, D)
     model(x, 1, 0).sum().backward()
     opt.step()
-    assert all(p.grad is None for p in outer.branches[0].parameters())  # inner: not called
-    assert all(p.grad is not None for p in outer.branches[1].parameters())
-    assert all(p.grad is None for p in rdp.parameters())  # dropped
-    assert hook.last_pruned == 2 * 4 + 4
+    assert all(grads_none(outer[0])) and not any(grads_none(outer[1])) and all(grads_none(rdp))
+    assert handle.last_pruned == 2 * 4 + 4
     opt.zero_grad()
-    model(x, 0, 1).sum().backward()
+    model(x, 0, 1).sum().backward()  # inner called directly: one unit of its parameters ran
     opt.step()
-    # inner branch 1 ran (its outer unit did not record it, but one unit of each parameter ran)
-    assert all(p.grad is not None for p in inner.branches[1].parameters())
-    assert all(p.grad is None for p in inner.branches[0].parameters())
-    assert all(p.grad is None for p in outer.branches[1].parameters())
-    # pruned: inner branch 0 and the dropped residual branch; outer branch 1 was not in the
-    # graph at all (outer was not called), so its gradients were None already
-    assert hook.last_pruned == 4 + 4
+    assert not any(grads_none(inner[1])) and all(grads_none(inner[0])) and all(grads_none(outer[1]))
+    assert handle.last_pruned == 4 + 4  # inner branch 0 and the dropped block (outer[1] had none)
+
+
+def test_a_step_skipped_by_grad_scaler_counts_towards_the_next():
+    """GradScaler skips optimizer.step() (and its hook) when a gradient is inf: what ran in that
+    iteration counts as used at the next step (documented)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    model = Net().float()
+    opt = sgd(model.parameters())
+    handle = unused_grads_to_none(opt, model)
+    x, t = data(0)
+    scaler.scale((model(x.float(), [1, 1]) - t.float()).square().mean()).backward()
+    model.head.weight.grad[0, 0] = float("inf")
+    scaler.step(opt)  # skipped
+    scaler.update()
+    assert handle.last_pruned == 0 and model.layers[0][1][0].weight.grad is not None
+    opt.zero_grad()
+    scaler.scale((model(x.float(), [0, 0]) - t.float()).square().mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert all(grads_none(model.layers[0][2]))  # used in neither iteration: pruned
+    assert not any(grads_none(model.layers[0][1]))  # used in the skipped one only: kept (zeros)
 
 
 def test_remove_and_bad_inputs():
-    model = Net(materialize=True)
-    opt = make_optimizer("sgd", model.parameters())
-    hook = unused_grads_to_none(opt, model)
-    hook.remove()
-    x, _ = data(0, 0)
-    model(x.float(), [0, 0]).sum().backward()
+    model = Net().double()
+    opt = sgd(model.parameters())
+    handle = unused_grads_to_none(opt, model)
+    handle.remove()
+    loss_of(model, 0, [0, 0]).backward()
     opt.step()
-    assert model.layers[0].branches[1][0].weight.grad is not None  # not pruned any more
+    assert model.layers[0][1][0].weight.grad is not None  # not pruned any more
     with pytest.raises(TypeError, match="optimizer"):
         unused_grads_to_none(model, model)
     with pytest.raises(TypeError, match="model"):
@@ -259,132 +288,136 @@ def test_remove_and_bad_inputs():
         unused_grads_to_none(opt, nn.Linear(2, 2))
 
 
-class LoggedGrad(nn.Parameter):
-    """A parameter subclass that sees assignments to .grad (as a subclass might track them)."""
+def test_where_the_bytes_are_reduced():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 3)
+    assert unused_grads.bits_device("gloo") == cpu
+    assert unused_grads.bits_device("cpu:gloo,cuda:nccl") == cpu  # a mixed group reduces on the host
+    assert unused_grads.bits_device("nccl", accelerator=gpu) == gpu  # NCCL: device tensors only
+    assert unused_grads.bits_device("NCCL", accelerator=gpu) == gpu
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="'nccl'"):
+            unused_grads.bits_device("nccl")
 
-    def __setattr__(self, name, value):
-        if name == "grad":
-            self.assigned = value
-        super().__setattr__(name, value)
 
-
-def test_grads_to_none_clears_and_counts():
-    from maskedbranch import _C
-
-    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
-    c = LoggedGrad(torch.ones(2))
-    a.grad, c.grad = torch.ones(2), torch.ones(2)
-    assert _C.grads_to_none([a, b, c]) == 2
-    assert a.grad is None and b.grad is None and c.grad is None
-    assert c.assigned is None  # the subclass's own assignment ran
-    assert _C.grads_to_none(()) == 0
-    with pytest.raises(TypeError, match=r"params\[1\]"):
-        _C.grads_to_none([a, 3])
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()), reason="needs a GPU and NCCL")
+def test_nccl_group_reduces_on_the_device(tmp_path):
+    """A one-process NCCL group: the bytes go to the GPU and back, and the pruning is right."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        model = Net().cuda()
+        opt = sgd(model.parameters())
+        handle = unused_grads_to_none(opt, model)
+        x, t = data(0)
+        (model(x.float().cuda(), [0, 1]) - t.float().cuda()).square().mean().backward()
+        opt.step()
+        assert handle.last_pruned == 2 * 2 * 4
+        assert all(grads_none(model.layers[0][1])) and not any(grads_none(model.layers[1][1]))
+    finally:
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------
-# Four ranks: masked + hook (find_unused_parameters=False) against if/else with
-# find_unused_parameters=True, and masked without the hook (which must differ).
+# Two ranks.
+
+WORLD = 2
 
 
-def train(rank, group, kind, opt_name, steps=16, accumulate=1, **ddp_kwargs):
-    torch.manual_seed(1234)
-    base = Net().double()
-    models = {"hook": copy.deepcopy(base), "ifelse": copy.deepcopy(base), "plain": copy.deepcopy(base)}
-    models["ifelse"].mode = "ifelse"
-    ddps = {
-        k: DDP(m, process_group=group, find_unused_parameters=(k == "ifelse"), **ddp_kwargs) for k, m in models.items()
-    }
-    opts = {k: make_optimizer(opt_name, m.parameters()) for k, m in models.items()}
-    hook = unused_grads_to_none(opts["hook"], ddps["hook"])
-    worst, worst_plain, pruned = 0.0, 0.0, []
-    for step in range(steps):
-        for k, ddp in ddps.items():
-            opts[k].zero_grad()
-            for micro in range(accumulate):
-                x, t = data(step * accumulate + micro, rank)
-                gates = gates_for(step * accumulate + micro, rank, kind)
-                if micro < accumulate - 1:
-                    with ddp.no_sync():
-                        (ddp(x, gates) - t).square().mean().backward()
-                else:
-                    (ddp(x, gates) - t).square().mean().backward()
-            opts[k].step()
-        pruned.append(hook.last_pruned)
-        worst = max(worst, max_param_diff(models["hook"], models["ifelse"]))
-        worst_plain = max(worst_plain, max_param_diff(models["plain"], models["ifelse"]))
-    return {
-        "worst": worst,
-        "worst_plain": worst_plain,
-        "pruned": pruned,
-        "state_equal": state_keys(models["hook"], opts["hook"]) == state_keys(models["ifelse"], opts["ifelse"]),
-        "params": [p.detach().clone() for p in models["hook"].parameters()],
-    }
+def gates_for(step, rank):
+    g = torch.Generator().manual_seed(step * 131 + rank * 7 + 1)
+    ids = torch.randint(-1, N - 1, (ROWS,), generator=g)  # the last branch never runs
+    return [ids, (step + rank) % 2]  # layer 1: branch 2 unused, branches 0 and 1 per rank
 
 
-def used_anywhere(step, world, kind):
-    """(layer, branch) pairs that some rank routes rows to at this step."""
-    used = set()
-    for r in range(world):
-        for layer, gate in enumerate(gates_for(step, r, kind)):
-            ids = [gate] if isinstance(gate, int) else gate.tolist()
-            used.update((layer, i) for i in ids if i >= 0)
-    return used
-
-
-def train_without_ddp(rank, group, kind, steps=6):
-    """No DDP wrapper (e.g. hand-written averaging): the step hook reduces the bits itself."""
+def without_ddp(rank, group):
+    """Hand-written averaging, no DDP: the default hook reduces over the default group."""
     torch.manual_seed(5)
-    model = Net(materialize=True).double()
-    opt = make_optimizer("sgd", model.parameters())
-    unused_grads_to_none(opt, model, process_group=group)
-    world = dist.get_world_size(group)
+    model = Net(materialize=None).double()  # automatic: zeros outside DDP
+    opt = sgd(model.parameters())
     mismatches = []
-    for step in range(steps):
+    for step in range(4):
         opt.zero_grad()
-        x, t = data(step, rank)
-        (model(x, gates_for(step, rank, kind)) - t).square().mean().backward()
+        loss_of(model, step, gates_for(step, rank), rank).backward()
         for p in model.parameters():
             dist.all_reduce(p.grad, group=group)
-            p.grad /= world
+            p.grad /= WORLD
         opt.step()
-        used = used_anywhere(step, world, kind)
+        used = set()
+        for r in range(WORLD):
+            for li, gate in enumerate(gates_for(step, r)):
+                used.update((li, i) for i in ([gate] if isinstance(gate, int) else gate.tolist()) if i >= 0)
         for li, layer in enumerate(model.layers):
-            for i, branch in enumerate(layer.branches):
-                pruned = branch[0].weight.grad is None
-                if pruned == ((li, i) in used):
-                    mismatches.append((step, li, i, pruned))
+            for i, branch in enumerate(layer):
+                if all(grads_none(branch)) == ((li, i) in used):
+                    mismatches.append((step, li, i))
     return {"mismatches": mismatches, "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def forwards_without_backward(rank, group, n=40):
-    """Forwards with autograd on but no backward (evaluation without torch.no_grad): the pending
-    reductions stay bounded, count as use, and the next step prunes alike on every rank."""
-    torch.manual_seed(9)
-    model = Net().double()
-    ddp = DDP(model, process_group=group)
-    opt = make_optimizer("sgd", model.parameters())
-    hook = unused_grads_to_none(opt, ddp)
-    longest = 0
-    for i in range(n):
-        x, _ = data(100 + i, rank)
-        ddp(x, [0, 0])  # only branch 0 of each layer runs
-        longest = max(longest, len(hook._pending))
-    x, t = data(1, rank)
-    (ddp(x, [0, 0]) - t).square().mean().backward()
+def explicit_under_ddp(rank, group):
+    """materialize_grads=True (zeros, no automatic pruning) with the explicit handle on a DDP
+    model equals if/else under DDP(find_unused_parameters=True)."""
+    torch.manual_seed(6)
+    masked, ifelse = Net(materialize=True).double(), Net(masked=False).double()
+    ifelse.load_state_dict(masked.state_dict())
+    models = [DDP(masked, process_group=group), DDP(ifelse, process_group=group, find_unused_parameters=True)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=1e-2) for m in models]
+    handle = unused_grads_to_none(opts[0], models[0])
+    worst, none_mismatch, pruned = 0.0, [], []
+    for step in range(4):
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            loss_of(m, step, gates_for(step, rank), rank).backward()
+            opt.step()
+        pruned.append(handle.last_pruned)
+        w, nm = state_diff(training_state(masked), training_state(ifelse))
+        worst, none_mismatch = max(worst, w), none_mismatch + nm
+    return {"worst": worst, "none_mismatch": none_mismatch, "pruned": pruned}
+
+
+def shared_without_ddp(rank, group):
+    """A parameter shared between a branch and the trunk, hand-written averaging: naming the
+    model keeps it (without DDP there is no other way to see the trunk)."""
+    torch.manual_seed(7)
+    trunk, branches = nn.Linear(D, D), [nn.Linear(D, D) for _ in range(N)]
+    branches[2].weight = trunk.weight
+    model = nn.ModuleDict({"trunk": trunk, "mb": MaskedBranch(branches, materialize_grads=True)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    unused_grads_to_none(opt, model, process_group=group)
+    model["mb"](model["trunk"](torch.ones(2, D)), rank).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=group)
     opt.step()
-    return {
-        "longest": longest,
-        "pruned": hook.last_pruned,
-        "params": [p.detach().clone() for p in model.parameters()],
-    }
+    return {"trunk": trunk.weight.grad is not None, "bias2": branches[2].bias.grad is None}
+
+
+def shared_under_ddp(rank, group):
+    """The same sharing under DDP, automatic setting: DDP tells the model, the trunk's weight
+    is kept while the unused branch's own bias is pruned."""
+    torch.manual_seed(7)
+    trunk, branches = nn.Linear(D, D), [nn.Linear(D, D) for _ in range(N)]
+    branches[2].weight = trunk.weight
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk, self.mb = trunk, MaskedBranch(branches)
+
+        def forward(self, x, gate):
+            return self.mb(self.trunk(x), gate)
+
+    model = DDP(M(), process_group=group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, D), rank).sum().backward()
+    opt.step()
+    return {"trunk": trunk.weight.grad is not None, "bias2": branches[2].bias.grad is None}
 
 
 CASES = {
-    "int-sgd": dict(kind="int", opt_name="sgd"),
-    "ids-adamw": dict(kind="ids", opt_name="adamw"),
-    "int-adamw-bucket-view": dict(kind="int", opt_name="adamw", gradient_as_bucket_view=True),
-    "ids-sgd-no-sync": dict(kind="ids", opt_name="sgd", accumulate=2),
+    "without_ddp": without_ddp,
+    "explicit_under_ddp": explicit_under_ddp,
+    "shared_without_ddp": shared_without_ddp,
+    "shared_under_ddp": shared_under_ddp,
 }
 
 
@@ -394,13 +427,10 @@ def _worker(rank, world, init_file, out_dir):
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
     )
     results = {}
-    jobs = [(name, lambda group, case=case: train(rank, group, **case)) for name, case in CASES.items()]
-    jobs.append(("no-ddp", lambda group: train_without_ddp(rank, group, "ids")))
-    jobs.append(("no-backward", lambda group: forwards_without_backward(rank, group)))
-    for name, job in jobs:
+    for name, fn in CASES.items():
         group = dist.new_group(backend="gloo")
         try:
-            results[name] = ("ok", job(group))
+            results[name] = ("ok", fn(rank, group))
         except Exception:  # reported by the test that reads it
             results[name] = ("error", traceback.format_exc())
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -412,35 +442,28 @@ def _worker(rank, world, init_file, out_dir):
 def ranks():
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with gloo")
-    return run_ranks(_worker, WORLD, TIMEOUT_S, "the DDP job")
+    return run_ranks(_worker, WORLD, 180, "the pruning job")
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_ddp_matches_ifelse_find_unused(ranks, case):
-    results = results_of(ranks, case)
-    for r, res in enumerate(results):
-        assert res["worst"] < 1e-10, f"rank {r}: masked + hook differs from if/else by {res['worst']}"
-        assert res["state_equal"], f"rank {r}: the optimizer kept state for other parameters than if/else"
-        assert sum(res["pruned"]) > 0, "no step had a branch that no rank used: the case tests nothing"
-        # without the hook, momentum / Adam moments move the unused branches: training differs
-        assert res["worst_plain"] > 1e-6
-        assert res["pruned"] == results[0]["pruned"], "ranks disagree on what was unused"
-        for p, q in zip(res["params"], results[0]["params"]):
-            assert torch.equal(p, q), f"rank {r}: replicas diverged"
-
-
+@pytest.mark.distributed
 def test_without_ddp_prunes_what_no_rank_used(ranks):
-    results = results_of(ranks, "no-ddp")
+    results = results_of(ranks, "without_ddp")
     for r, res in enumerate(results):
-        assert res["mismatches"] == [], f"rank {r}: (step, layer, branch, pruned) wrong: {res['mismatches']}"
+        assert res["mismatches"] == [], f"rank {r}: (step, layer, branch) pruned wrongly: {res['mismatches']}"
         for p, q in zip(res["params"], results[0]["params"]):
             assert torch.equal(p, q), f"rank {r}: replicas diverged"
 
 
-def test_forwards_without_backward_keep_pending_bounded(ranks):
-    results = results_of(ranks, "no-backward")
+@pytest.mark.distributed
+def test_explicit_handle_under_ddp(ranks):
+    results = results_of(ranks, "explicit_under_ddp")
     for r, res in enumerate(results):
-        assert res["longest"] <= 17, f"rank {r}: {res['longest']} reductions pending"
-        assert res["pruned"] == 2 * 2 * 4, f"rank {r}: pruned {res['pruned']} (branches 1 and 2 of both layers)"
-        for p, q in zip(res["params"], results[0]["params"]):
-            assert torch.equal(p, q), f"rank {r}: replicas diverged"
+        assert res["worst"] < 1e-10 and not res["none_mismatch"], (r, res["worst"], res["none_mismatch"])
+        assert sum(res["pruned"]) > 0 and res["pruned"] == results[0]["pruned"], res["pruned"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["shared_without_ddp", "shared_under_ddp"])
+def test_parameter_shared_with_the_trunk_is_kept(ranks, case):
+    for r, res in enumerate(results_of(ranks, case)):
+        assert res == {"trunk": True, "bias2": True}, f"rank {r}: {res}"
