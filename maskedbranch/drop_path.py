@@ -329,6 +329,8 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
         unused_grads.register(self)
 
     def _table(self) -> _structure.Branches:
+        if torch.compiler.is_compiling():  # traced afresh, no guard on the structure version (MaskedBranch._branches)
+            return _structure.Branches([_Checked(self.branch)], params=[tuple(self.branch.parameters())])
         cache = self._cache
         if not _structure.current(cache):
             cache = self._cache = _structure.Branches([_Checked(self.branch)], _structure.version(), [tuple(self.branch.parameters())])

@@ -101,6 +101,12 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
         return len(self._modules)
 
     def _branches(self) -> _structure.Branches:
+        if torch.compiler.is_compiling():
+            # Traced afresh: reading the cache's version would make the global structure version
+            # a guard, and Dynamo's own graph modules bump it (they register submodules), so every
+            # compilation would recompile every routed frame. Dynamo guards on parameters itself.
+            _structure.check_skippable(list(self._modules.values()), "branches")
+            return _structure.Branches(self._modules.values())
         cache = self._cache
         if not _structure.current(cache):
             _structure.check_skippable(list(self._modules.values()), "branches")
@@ -117,7 +123,8 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
     def forward(self, x: Tensor, gate: Any, *args: Any, **kwargs: Any) -> Tensor:
         cache = self._cache
         if (
-            type(gate) is int and not args and not kwargs and type(x) is Tensor and _structure.current(cache)
+            type(gate) is int and not args and not kwargs and type(x) is Tensor
+            and not torch.compiler.is_compiling() and _structure.current(cache)  # see _branches
             and 0 <= gate < len(cache.branches) and x.dim() > 0
         ):
             # The per-batch int gate, the common case of routed layers, straight to the branch:
