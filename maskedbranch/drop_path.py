@@ -235,11 +235,8 @@ def _residual(
         return x + drop_path(y, drop_prob, training, scale_by_keep, mode, generator), True
     keep_prob = 1.0 - float(drop_prob)
     scale = _keep_scale(keep_prob, scale_by_keep, x.dtype)
-    gate: Any
-    if mode == "batch":
-        gate = 0 if bool(_draw(1, keep_prob, generator)[0]) else -1
-    else:
-        gate = _draw(x.shape[0], keep_prob, generator).to(torch.int64).sub_(1)  # 0 kept, -1 dropped
+    draw = _draw_gate_outside_graphs if torch.compiler.is_compiling() else _draw_gate
+    gate = draw(mode, x.shape[0], keep_prob, generator)
     zeros = _dead_grads.tie_policy(materialize, where)
     out, live = _route.route(table, x, gate, args, kwargs, zeros=zeros, base=x, scale=scale, where="branch")
     return out, bool(live)
@@ -392,6 +389,20 @@ def _draw(n: int, keep_prob: float, generator: Optional[torch.Generator]) -> Ten
     """n Bernoulli(keep_prob) draws on the host as a float32 0/1 tensor. Same stream as timm's
     and torchvision's ``empty(...).bernoulli_(keep_prob)`` on a CPU tensor with the same seed."""
     return torch.empty(n, dtype=torch.float32).bernoulli_(keep_prob, generator=generator)
+
+
+def _draw_gate(mode: str, batch: int, keep_prob: float, generator: Optional[torch.Generator]) -> Any:
+    """The routing gate of one call: 0 (the branch runs) or -1 for the batch, or one per row."""
+    if mode == "batch":
+        return 0 if bool(_draw(1, keep_prob, generator)[0]) else -1
+    return _draw(batch, keep_prob, generator).to(torch.int64).sub_(1)  # 0 kept, -1 dropped
+
+
+# Under torch.compile the draw runs eagerly: traced, inductor would draw from its own random
+# stream instead of the documented one, and the draw's ops would form a graph of their own before
+# the plan's break (two breaks per call instead of one). Eager mode calls _draw_gate directly
+# (the disable wrapper costs about 2 us per call).
+_draw_gate_outside_graphs = torch.compiler.disable(_draw_gate)
 
 
 def _keep_scale(keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> float:
