@@ -234,9 +234,8 @@ def _residual(
         y = branch(x, *args, **kwargs)
         return x + drop_path(y, drop_prob, training, scale_by_keep, mode, generator), True
     keep_prob = 1.0 - float(drop_prob)
-    scale = _keep_scale(keep_prob, scale_by_keep, x.dtype)
-    draw = _draw_gate_outside_graphs if torch.compiler.is_compiling() else _draw_gate
-    gate = draw(mode, x.shape[0], keep_prob, generator)
+    host = _host_routing_outside_graphs if torch.compiler.is_compiling() else _host_routing
+    gate, scale = host(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype, generator)
     zeros = _dead_grads.tie_policy(materialize, where)
     out, live = _route.route(table, x, gate, args, kwargs, zeros=zeros, base=x, scale=scale, where="branch")
     return out, bool(live)
@@ -391,18 +390,24 @@ def _draw(n: int, keep_prob: float, generator: Optional[torch.Generator]) -> Ten
     return torch.empty(n, dtype=torch.float32).bernoulli_(keep_prob, generator=generator)
 
 
-def _draw_gate(mode: str, batch: int, keep_prob: float, generator: Optional[torch.Generator]) -> Any:
-    """The routing gate of one call: 0 (the branch runs) or -1 for the batch, or one per row."""
+def _host_routing(
+    mode: str, batch: int, keep_prob: float, scale_by_keep: bool, dtype: torch.dtype, generator: Optional[torch.Generator]
+) -> Tuple[Any, float]:
+    """The routing gate of one call (0: the branch runs, -1: it does not; for the batch, or one
+    per row) and the factor of kept rows."""
+    scale = _keep_scale(keep_prob, scale_by_keep, dtype)
     if mode == "batch":
-        return 0 if bool(_draw(1, keep_prob, generator)[0]) else -1
-    return _draw(batch, keep_prob, generator).to(torch.int64).sub_(1)  # 0 kept, -1 dropped
+        return (0 if bool(_draw(1, keep_prob, generator)[0]) else -1), scale
+    return _draw(batch, keep_prob, generator).to(torch.int64).sub_(1), scale  # 0 kept, -1 dropped
 
 
-# Under torch.compile the draw runs eagerly: traced, inductor would draw from its own random
-# stream instead of the documented one, and the draw's ops would form a graph of their own before
-# the plan's break (two breaks per call instead of one). Eager mode calls _draw_gate directly
-# (the disable wrapper costs about 2 us per call).
-_draw_gate_outside_graphs = torch.compiler.disable(_draw_gate)
+# Under torch.compile this runs eagerly, one graph break before any traced op. Traced, the draw
+# would form a graph of its own ahead of the plan's data-dependent break (two breaks per call),
+# inductor would draw from its own random stream instead of the documented one, and the scale's
+# float arithmetic would need assume_constant_result, which crashes torch 2.6's Dynamo for a
+# float result ("'OutputGraph' object has no attribute 'distributed_state'"). Eager mode calls
+# _host_routing directly (the disable wrapper costs about 2 us a call).
+_host_routing_outside_graphs = torch.compiler.disable(_host_routing)
 
 
 def _keep_scale(keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> float:
@@ -417,10 +422,9 @@ def _to_float32(v: float) -> float:
     return struct.unpack("f", struct.pack("f", v))[0]
 
 
-@torch.compiler.assume_constant_result  # Dynamo runs it once per (keep_prob, dtype)
 def _rounded_inverse(keep_prob: float, dtype: torch.dtype) -> float:
     """``torch.ones((), dtype=dtype).div_(keep_prob).item()`` in plain Python (no tensor, no
-    ``.item()``: torch.compile sees a constant). float32, float16 and bfloat16 tensors divide in
+    ``.item()``, no device sync). float32, float16 and bfloat16 tensors divide in
     float32 by ``float32(keep_prob)``; the float32 quotient is then rounded to the dtype. The
     quotient of two float32 numbers computed in float64 and rounded to float32 is the correctly
     rounded float32 quotient (float64 has more than 2 * 24 + 2 bits), so this is exact."""
