@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from . import _dead_grads, _route, _structure, unused_grads
+from . import _compat, _dead_grads, _route, _structure, unused_grads
 
 __all__ = ["drop_path", "DropPath", "drop_add_residual", "ResidualDropPath"]
 
@@ -325,7 +325,7 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
         unused_grads.register(self)
 
     def _table(self) -> _structure.Branches:
-        if torch.compiler.is_compiling():  # traced afresh, no guard on the structure version (MaskedBranch._branches)
+        if _compat.tracing():  # built afresh (MaskedBranch._branches)
             return _structure.Branches([_Checked(self.branch)], params=[tuple(self.branch.parameters())])
         cache = self._cache
         if not _structure.current(cache):
