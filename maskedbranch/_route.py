@@ -193,11 +193,11 @@ def _rows_of(t: Tensor, plan: _ops.Plan) -> List[Tensor]:
     return list(t.index_select(0, plan.rows).split(plan.counts))  # ids, masks: no gradient
 
 
-def _tied(table: Branches, live_mask: int, zeros: Optional[bool], extra: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, ...]:
+def _tied(table: Branches, live_mask: int, zeros: Optional[bool]) -> Tuple[Tensor, ...]:
     """The tensors to tie into the output: the dead branches' parameters that require grad."""
     if zeros is None or not torch.is_grad_enabled():
         return ()
-    return tuple(t for t in extra + table.tied(live_mask) if t.requires_grad)
+    return tuple(t for t in table.tied(live_mask) if t.requires_grad)
 
 
 def _common_dtype(ys: Sequence[Tensor], base: Optional[Tensor]) -> torch.dtype:
@@ -310,9 +310,13 @@ def _one_branch(table, x, k, args, kwargs, zeros, base, scale, signatures, where
 def _no_branch(table, x, args, kwargs, zeros, base, signatures, where) -> Tensor:
     """No row reaches any branch: ``base`` (or zeros shaped like the branches' output), with x
     and every parameter tied in, so that whatever produced x still gets its gradient."""
-    tied = _tied(table, 0, zeros, (x,) if base is None else ())
+    tied = _tied(table, 0, zeros)
     if base is not None:
         return _autograd.tie(base, tied, bool(zeros)) if tied else base.clone()
     trailing, dtype = _dead_output_signature(table, signatures, x, args, kwargs, where)
     out = torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
+    if zeros is not None and x.requires_grad and torch.is_grad_enabled():
+        # x's gradient is zero, defined whatever the policy (exact: the output does not depend
+        # on x): compiled autograd cannot add an undefined gradient to x's other ones.
+        out = _autograd.tie(out, (x,), True)
     return _autograd.tie(out, tied, bool(zeros)) if tied else out
