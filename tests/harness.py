@@ -98,3 +98,31 @@ def rss() -> int:
     """Resident set size of this process in bytes (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def autograd_node_names(out: torch.Tensor) -> set:
+    """Class names of the autograd nodes in the graph behind ``out`` (which form of a routing
+    Function ran: ``CombineClassicBackward`` in eager mode, ``CombineBackward`` otherwise)."""
+    names, stack, seen = set(), [out.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        stack.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+def assert_same_grads(got: dict, want: dict, none_is_zero: bool = False, **tol) -> None:
+    """Two {name: gradient or None} dicts agree (undefined where the other is undefined, unless
+    ``none_is_zero``: torch.func returns zeros where autograd leaves a gradient undefined)."""
+    assert got.keys() == want.keys()
+    for k in want:
+        g, w = got[k], want[k]
+        if none_is_zero:
+            g = torch.zeros_like(w if g is None else g) if g is None and w is not None else g
+            w = torch.zeros_like(g) if w is None and g is not None else w
+        assert (g is None) == (w is None), f"{k}: defined in one run only"
+        if w is not None:
+            torch.testing.assert_close(g, w, msg=lambda m: f"{k}: {m}", **tol)
