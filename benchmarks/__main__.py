@@ -1,6 +1,7 @@
-"""Entry point: python -m benchmarks [--quick] [--only masked,ddp,droppath,kernels] [--device cpu|cuda] [--out DIR]
+"""Entry point: python -m benchmarks [--smoke | --quick] [--only SUITES] [--device cpu|cuda] [--threads 2,1] [--out DIR]
 
-Writes results.md (markdown tables), results.json and PNG plots into the results folder.
+Writes results.md (markdown tables), results.json and PNG plots into the results folder; exits
+with status 1 when a check (contenders that must compute the same thing) fails.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import platform
 import sys
 import time
 
-SUITES = ["masked", "ddp", "droppath", "kernels"]
+SUITES = ["masked", "overhead", "ddp", "nas", "droppath", "kernels", "timm"]
 
 
 def machine(device: str) -> str:
@@ -25,42 +26,60 @@ def machine(device: str) -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except Exception:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
         pass
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-    return f"{cpu}, {os.cpu_count()} cores{load}, {torch.get_num_threads()} torch threads"
+    return f"{cpu}, {os.cpu_count()} cores{load}"
 
 
-def main(argv=None) -> None:
+def parse(argv):
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes and few repetitions")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small sizes and few repetitions (minutes)")
+    size.add_argument("--smoke", action="store_true",
+                      help="tiny sizes, one or two repetitions: runs every suite end to end and checks the contenders "
+                           "(a minute or two; the timings mean nothing)")
     ap.add_argument("--only", default=",".join(SUITES), help="comma-separated subset of " + ",".join(SUITES))
     ap.add_argument("--device", default=None, choices=["cpu", "cuda"])
-    ap.add_argument("--out", default=None, help="results folder (default results/<device>[-quick])")
-    ap.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (default 1: steadier on a shared machine)")
+    ap.add_argument("--out", default=None, help="results folder (default results/<device>[-quick|-smoke])")
+    ap.add_argument("--threads", default="2,1",
+                    help="CPU thread settings, comma-separated (default 2,1). Comparisons run at each: T > 1 timed "
+                         "by wall clock, T = 1 by the thread's CPU time; sweeps run at the first; kernels at each, by "
+                         "wall clock")
     ap.add_argument("--ddp-ranks", type=int, default=None,
-                    help="DDP suite world size (default 2 on CPU, 1 on a GPU; 1 on CPU shows each approach's own "
-                         "cost without a second rank's all-reduce noise)")
+                    help="world size of the DDP suites (default 2 on CPU, 1 on a GPU)")
     args = ap.parse_args(argv)
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from . import keep_freed_memory_mapped
-
-    heap_kept = args.device == "cpu" and keep_freed_memory_mapped()
-    only = [s.strip() for s in args.only.split(",") if s.strip()]
-    if args.ddp_ranks is not None and args.ddp_ranks < 1:
-        ap.error(f"--ddp-ranks: expected at least 1, got {args.ddp_ranks}")
-    if args.ddp_ranks is not None and args.device == "cuda" and args.ddp_ranks > torch.cuda.device_count():
-        ap.error(f"--ddp-ranks: {args.ddp_ranks} NCCL ranks need as many GPUs; {torch.cuda.device_count()} visible")
-    for s in only:
+    try:
+        args.threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    except ValueError:
+        ap.error(f"--threads: expected comma-separated thread counts, got {args.threads!r}")
+    if not args.threads or min(args.threads) < 1:
+        ap.error(f"--threads: expected thread counts of at least 1, got {args.threads}")
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    for s in args.only:
         if s not in SUITES:
             ap.error(f"--only: unknown suite {s!r} (choose from {', '.join(SUITES)})")
-    out = pathlib.Path(args.out or f"results/{args.device}{'-quick' if args.quick else ''}")
+    if args.ddp_ranks is not None and args.ddp_ranks < 1:
+        ap.error(f"--ddp-ranks: expected at least 1, got {args.ddp_ranks}")
+    return ap, args
+
+
+def main(argv=None) -> int:
+    ap, args = parse(argv)
+    import torch
+
+    import maskedbranch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.ddp_ranks is not None and args.device == "cuda" and args.ddp_ranks > torch.cuda.device_count():
+        ap.error(f"--ddp-ranks: {args.ddp_ranks} NCCL ranks need as many GPUs; {torch.cuda.device_count()} visible")
+    args.size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    from . import keep_freed_memory_mapped, markdown, table
+
+    heap_kept = args.device == "cpu" and keep_freed_memory_mapped()
+    torch.set_num_threads(args.threads[0])
+    out = pathlib.Path(args.out or f"results/{args.device}{'' if args.size == 'full' else '-' + args.size}")
     out.mkdir(parents=True, exist_ok=True)
     try:
         from tqdm import tqdm
@@ -71,40 +90,51 @@ def main(argv=None) -> None:
         it = list(it)
         return tqdm(it, desc=desc, file=sys.stderr, leave=False) if tqdm else it
 
-    args.out, args.progress = out, progress
+    args.out, args.progress, args.checks, args.notes = out, progress, [], []
     command = "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])
     header = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(args.device) + ("; freed memory kept mapped (no page faults once warm)" if heap_kept else ""),
         "torch": torch.__version__,
+        "maskedbranch": maskedbranch.__version__,
         "python": platform.python_version(),
         "command": command.strip(),
     }
     tables, walls = [], {}
-    for s in only:
+    routable = args.device == "cpu" or maskedbranch.WITH_CUDA
+    for s in args.only:
+        if not routable:
+            args.notes.append(f"{s}: skipped on cuda: this maskedbranch build has no CUDA kernels")
+            continue
         t0 = time.perf_counter()
-        mod = importlib.import_module(f"benchmarks.suite_{s}")
-        for t in mod.run(args):
+        for t in importlib.import_module(f"benchmarks.suite_{s}").run(args):
             t["suite"] = s
-            t["command"] = " ".join(w for w in command.replace(f"--only {args.only}", "").split()) + f" --only {s}"
+            t["command"] = f"python -m benchmarks --only {s}" + (f" --{args.size}" if args.size != "full" else "")
             tables.append(t)
-            print(f"\n### {t['title']}\n", flush=True)
         walls[s] = time.perf_counter() - t0
         print(f"[{s}: {walls[s]:.0f} s]", file=sys.stderr, flush=True)
-    from . import markdown
-
-    md = [f"# maskedbranch benchmarks ({args.device}{', --quick' if args.quick else ''})", ""]
+    failed = [c for c in args.checks if not c["ok"]]
+    checks = table(f"Checks: contenders that must compute the same thing ({len(args.checks) - len(failed)} of "
+                   f"{len(args.checks)} hold)", ["check", "max abs diff", "tolerance", "holds"],
+                   [[c["check"], c["max abs diff"], c["tolerance"], c["ok"]] for c in args.checks])
+    md = [f"# maskedbranch benchmarks ({args.device}, {args.size})", ""]
     md += [f"- {k}: {v}" for k, v in header.items()]
-    md += [f"- wall time per suite: " + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items()), ""]
-    md += [markdown(t) for t in tables]
+    md += ["- wall time per suite: " + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items())]
+    md += [f"- note: {n}" for n in args.notes] + [""]
+    md += [markdown(t) for t in tables] + [markdown(checks)]
     (out / "results.md").write_text("\n".join(md))
-    (out / "results.json").write_text(json.dumps({**header, "walls_s": walls, "tables": tables}, indent=1, default=str))
+    (out / "results.json").write_text(json.dumps({**header, "walls_s": walls, "notes": args.notes, "checks": args.checks,
+                                                  "tables": tables}, indent=1, default=str))
     print("\n".join(md))
     print(f"\nwrote {out}/results.md, results.json and PNG plots", file=sys.stderr)
+    if failed:
+        print(f"{len(failed)} check(s) FAILED: " + "; ".join(c["check"] for c in failed), file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
     if not __package__:  # run as a file path (e.g. by a loop over benchmarks/*.py): nothing to do
-        print("run the suite as a module: python -m benchmarks [--quick]")
+        print("run the suite as a module: python -m benchmarks [--smoke | --quick]")
         raise SystemExit(0)
-    main()
+    raise SystemExit(main())

@@ -32,8 +32,7 @@ __all__ = [
 
 
 def __getattr__(name):
-    # The doctor loads on first use, so that `python -m maskedbranch.doctor` does not find it
-    # imported already (runpy warns about that).
+    # The doctor (a diagnostic tool, with its command line) loads on first use only.
     if name in ("doctor", "find_divergent_parameters", "find_unused_parameters"):
         import importlib
 

@@ -16,14 +16,32 @@ Zeros under DDP would step parameters that no rank used (momentum, weight decay)
 with ``find_unused_parameters=True`` leaves them ``None``; :mod:`maskedbranch.unused_grads` sets
 them back to ``None`` before each optimizer step, by default. ``materialize_grads=True`` /
 ``False`` on a module overrides all of this (ties with zeros / undefined gradients, anywhere).
+
+:func:`as_if_under_ddp` makes one process tie as DDP does, for ``maskedbranch.doctor``, whose
+simulated ranks must see the graph that a DDP job would see.
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
 from . import _compat
+
+
+_as_if_ddp = [False]
+
+
+@contextlib.contextmanager
+def as_if_under_ddp() -> Iterator[None]:
+    """Inside, the default policy ties as under DDP without static_graph (undefined gradients)
+    even in one process."""
+    before, _as_if_ddp[0] = _as_if_ddp[0], True
+    try:
+        yield
+    finally:
+        _as_if_ddp[0] = before
 
 
 def distributed() -> bool:
@@ -45,7 +63,7 @@ def tie_policy(explicit: Optional[bool], where: str) -> Optional[bool]:
                 )
         return explicit
     if not distributed():
-        return None
+        return False if _as_if_ddp[0] else None
     ddp = _compat.active_ddp()
     return ddp is None or bool(getattr(ddp, "static_graph", False))
 

@@ -253,7 +253,7 @@ def drop_add_residual(
     args: Sequence[Any] = (),
     kwargs: Optional[Dict[str, Any]] = None,
     params: Optional[Iterable[Tensor]] = None,
-    materialize_grads: Optional[bool] = None,
+    materialize_grads: Optional[bool] = True,
 ) -> Tensor:
     """``x + drop_path(branch(x), drop_prob, training, scale_by_keep, mode)``, computing the
     branch only where it counts.
@@ -264,8 +264,12 @@ def drop_add_residual(
     * ``"batch"``: the branch runs on the whole batch or not at all.
 
     When the branch does not run, its parameters (``branch.parameters()`` for a module or a
-    bound method of one, else ``params``) still get a gradient, so DDP works with
-    ``find_unused_parameters=False``; ``materialize_grads`` as for :class:`MaskedBranch`.
+    bound method of one, else ``params``) still get a gradient: zeros, exactly what the dense
+    formula gives them (``materialize_grads=True``, the default; in every setting, one process
+    included), so training equals timm's and DDP works with ``find_unused_parameters=False``.
+    ``materialize_grads=False``: undefined gradients (DDP fills zeros); ``None``: as
+    :class:`MaskedBranch` (if/else semantics: no gradient in one process, and unused branches'
+    gradients reset to ``None`` before distributed optimizer steps).
     ``args`` / ``kwargs`` go to the branch; tensors whose first dimension is the batch are
     routed with ``x``. The mask is drawn on the host (``generator``: a CPU ``torch.Generator``;
     default: torch's default CPU generator). The branch must treat rows independently for the
@@ -292,7 +296,8 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
     Extra positional / keyword tensors whose first dimension is the batch are routed with ``x``
     (an attention mask, per-sample conditioning); other arguments pass through unchanged.
     ``generator`` (keyword only): an optional CPU ``torch.Generator`` for the masks.
-    ``materialize_grads`` (keyword only): as for :class:`MaskedBranch` (default: automatic).
+    ``materialize_grads`` (keyword only): as for :func:`drop_add_residual` (default ``True``: a
+    skipped branch's parameters get zero gradients, as timm's dense formula gives them).
 
     Branches that run collectives (``SyncBatchNorm``, DDP/FSDP units, DTensor parameters) cannot
     be skipped on one rank while the others run them; they are refused in training with
@@ -307,7 +312,7 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
         scale_by_keep: bool = True,
         *,
         generator: Optional[torch.Generator] = None,
-        materialize_grads: Optional[bool] = None,
+        materialize_grads: Optional[bool] = True,
     ) -> None:
         super().__init__()
         if not isinstance(branch, nn.Module):

@@ -4,19 +4,22 @@
 #       cuobjdump that device code for every requested architecture is in it, and runs the whole
 #       pytest suite (on the CPU unless a GPU is visible);
 #   (b) builds the CMake/libtorch library and runs its C++ test with ctest;
-#   (c) builds the CPU-only variant (CPU-only torch, .venv-cpu) and runs the op tests there;
-#   (d) builds the CPU kernels with AddressSanitizer + UndefinedBehaviorSanitizer (out of tree,
+#   (c) builds the CPU-only variant against torch 2.13.0 (a CPU-only torch, .venv-cpu) and runs the
+#       whole suite there;
+#   (d) builds the CPU kernels against torch 2.6.0, the declared floor (.venv-floor), and runs the
+#       whole suite there;
+#   (e) builds the CPU kernels with AddressSanitizer + UndefinedBehaviorSanitizer (out of tree,
 #       in .venv-cpu) and runs the op, bad-input, MaskedBranch and fuzz tests under them (scripts/sanitize.sh).
 # Every part runs even when an earlier one fails; the exit status is non-zero if any failed.
 #
 # Knobs (environment):
-#   MASKEDBRANCH_PARTS="a b c d"    parts to run
+#   MASKEDBRANCH_PARTS="a b c d e"  parts to run
 #   TORCH_CUDA_ARCH_LIST            GPU architectures for (a) and (b); default "8.0;9.0+PTX"
 #   MAX_JOBS                        parallel compile jobs; default: the number of cores
 #   MASKEDBRANCH_CMAKE_CUDA=0|1     compile the CUDA kernels in the CMake build too (default 1
 #                                   when a CUDA toolkit is found)
-#   MASKEDBRANCH_VENV_CUDA / MASKEDBRANCH_VENV_CPU   virtual environments to create or reuse
-#                                   (default .venv-cuda / .venv-cpu in the repository)
+#   MASKEDBRANCH_VENV_CUDA / _CPU / _FLOOR   virtual environments to create or reuse
+#                                   (default .venv-cuda / .venv-cpu / .venv-floor in the repository)
 #   PYTHON                          interpreter used to create the environments (default python3)
 #   PYTEST_ARGS                     extra pytest arguments, e.g. "-x -k combine"
 #
@@ -33,15 +36,18 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
-PARTS=${MASKEDBRANCH_PARTS:-"a b c d"}
+PARTS=${MASKEDBRANCH_PARTS:-"a b c d e"}
 PYTHON=${PYTHON:-python3}
 VENV_CUDA=${MASKEDBRANCH_VENV_CUDA:-$ROOT/.venv-cuda}
 VENV_CPU=${MASKEDBRANCH_VENV_CPU:-$ROOT/.venv-cpu}
+VENV_FLOOR=${MASKEDBRANCH_VENV_FLOOR:-$ROOT/.venv-floor}
 ARCHS=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0+PTX"}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 TORCH_CUDA_SPEC="torch==2.14.1"          # a CUDA 13.0 build
 TORCH_CPU_SPEC="torch==2.13.0"           # a CPU-only build
+TORCH_FLOOR_SPEC="torch==2.6.0"          # the floor declared in pyproject.toml
 TEST_DEPS=(numpy pytest hypothesis expecttest ninja)
+INTEGRATION_DEPS=(timm transformers accelerate lightning)  # optional: their tests skip without them
 CMAKE_BUILD_DIR=$ROOT/cmake-build
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
@@ -192,10 +198,10 @@ part_a() {
   banner "Part (a): CUDA build (torch 2.14.1, archs $ARCHS) + full pytest suite"
   ensure_venv "$VENV_CUDA" "$TORCH_CUDA_SPEC" "${TEST_DEPS[@]}" matplotlib tqdm || return 1
   # Optional extras the tests and benchmarks use when present.
-  if "$VENV_CUDA/bin/python" -m pip install -q "$TORCH_CUDA_SPEC" "torchvision==0.29.1" timm; then
-    note "$("$VENV_CUDA/bin/python" -c 'import timm, torchvision; print(f"timm {timm.__version__}, torchvision {torchvision.__version__}")' 2>&1 | tail -n 1)"
+  if "$VENV_CUDA/bin/python" -m pip install -q "$TORCH_CUDA_SPEC" "torchvision==0.29.1" "${INTEGRATION_DEPS[@]}"; then
+    note "$(cd / && "$VENV_CUDA/bin/python" -c 'import importlib; print(", ".join(f"{m} {importlib.import_module(m).__version__}" for m in ("torchvision", "timm", "transformers", "accelerate", "lightning")))' 2>&1 | tail -n 1)"
   else
-    note "timm / torchvision could not be installed; tests that need them will skip"
+    note "the integrations' packages could not be installed; tests that need them will skip"
   fi
   CUDA_HOME_FOUND=$(find_cuda_home) || { echo "!! no CUDA toolkit (nvcc) found"; return 1; }
   note "CUDA toolkit: $CUDA_HOME_FOUND ($("$CUDA_HOME_FOUND/bin/nvcc" --version | grep -o 'release [0-9.]*'))"
@@ -237,28 +243,45 @@ part_b() {
   (cd "$CMAKE_BUILD_DIR" && ctest --output-on-failure -V | grep -vE '^(UpdateCTestConfiguration|Test project|Constructing|Checking|Parse|test [0-9]+$|Done constructing|Updating test list|Added 0 tests|[0-9]+: (Test command|Working Directory|Test timeout))')
 }
 
-part_c() {
-  banner "Part (c): CPU-only build (torch 2.13.0 CPU) + op tests"
-  ensure_venv "$VENV_CPU" "$TORCH_CPU_SPEC" "${TEST_DEPS[@]}" || return 1
-  local t0=$SECONDS
-  install_package "$VENV_CPU" "$VENV_CPU/maskedbranch-build.log" FORCE_CUDA=0 MASKEDBRANCH_CPU_ONLY=1 || return 1
-  note "build took $((SECONDS - t0)) s"
-  show_install "$VENV_CPU" 0 || return 1
-  local files=()
-  shopt -s nullglob
-  files=(tests/test_ops*.py)
-  shopt -u nullglob
-  if [[ ${#files[@]} -eq 0 ]]; then
-    note "no tests/test_ops*.py yet: running the whole suite"
-    files=(tests)
+# cpu_suite VENV TORCH_SPEC TITLE EXTRA_PACKAGES... : a CPU-only build against one torch release
+# and the whole test suite on it (tests whose optional dependencies cannot be installed for that
+# release skip, naming what is missing).
+cpu_suite() {
+  local venv=$1 spec=$2 title=$3; shift 3
+  banner "$title"
+  ensure_venv "$venv" "$spec" "${TEST_DEPS[@]}" || return 1
+  if [[ $# -gt 0 ]]; then
+    if "$venv/bin/python" -m pip install -q "$spec" "$@"; then
+      note "$(cd / && "$venv/bin/python" -c 'import importlib; print(", ".join(f"{m} {importlib.import_module(m).__version__}" for m in ("torchvision", "timm", "transformers")))' 2>&1 | tail -n 1)"
+    else
+      note "optional packages ($*) could not be installed for $spec; tests that need them will skip"
+    fi
   fi
-  run_pytest "$VENV_CPU" 0 "${files[@]}"
+  local t0=$SECONDS
+  install_package "$venv" "$venv/maskedbranch-build.log" FORCE_CUDA=0 MASKEDBRANCH_CPU_ONLY=1 || return 1
+  note "build took $((SECONDS - t0)) s"
+  show_install "$venv" 0 || return 1
+  run_pytest "$venv" 0 tests
 }
 
-# (d) Sanitizers. A separate instrumented build of the CPU kernels (its own build folder; the
-# installed build of (c) is untouched), the tests run against it; any report fails the part.
+# (c) A release between the floor and the newest: torch 2.13.0, a CPU-only build of torch (no
+# torchvision is installable beside it, so timm-based tests skip here; (a) and (d) run them).
+part_c() {
+  cpu_suite "$VENV_CPU" "$TORCH_CPU_SPEC" "Part (c): CPU-only build (torch 2.13.0 CPU) + full pytest suite" \
+    transformers accelerate lightning
+}
+
+# (d) The declared floor of pyproject.toml: torch 2.6.0, with the torchvision, timm and
+# transformers releases that install beside it.
 part_d() {
-  banner "Part (d): ASan+UBSan build of the CPU kernels + op tests (scripts/sanitize.sh)"
+  cpu_suite "$VENV_FLOOR" "$TORCH_FLOOR_SPEC" "Part (d): CPU build at the torch floor (torch 2.6.0) + full pytest suite" \
+    "torchvision==0.21.0" "${INTEGRATION_DEPS[@]}"
+}
+
+# (e) Sanitizers. A separate instrumented build of the CPU kernels (its own build folder; the
+# installed build of (c) is untouched), the tests run against it; any report fails the part.
+part_e() {
+  banner "Part (e): ASan+UBSan build of the CPU kernels + op tests (scripts/sanitize.sh)"
   ensure_venv "$VENV_CPU" "$TORCH_CPU_SPEC" "${TEST_DEPS[@]}" || return 1
   PYTHON="$VENV_CPU/bin/python" SANITIZE_BUILD_DIR="$VENV_CPU/build-sanitize" bash "$ROOT/scripts/sanitize.sh"
 }
@@ -267,7 +290,7 @@ declare -A STATUS SECS
 ORDER=()
 overall=0
 for part in $PARTS; do
-  case $part in a|b|c|d) ;; *) echo "unknown part '$part' in MASKEDBRANCH_PARTS (use a, b, c, d)"; exit 2 ;; esac
+  case $part in a|b|c|d|e) ;; *) echo "unknown part '$part' in MASKEDBRANCH_PARTS (use a, b, c, d, e)"; exit 2 ;; esac
   start=$SECONDS
   ( "part_$part" )
   rc=$?
@@ -277,8 +300,8 @@ for part in $PARTS; do
   note "part ($part) ${STATUS[$part]} in ${SECS[$part]} s"
 done
 
-declare -A TITLE=([a]="CUDA build + pytest suite" [b]="CMake/libtorch + ctest" [c]="CPU-only build + op tests"
-                  [d]="ASan+UBSan build + op tests")
+declare -A TITLE=([a]="CUDA build + pytest suite" [b]="CMake/libtorch + ctest" [c]="torch 2.13 CPU + pytest suite"
+                  [d]="torch 2.6 floor + pytest suite" [e]="ASan+UBSan build + op tests")
 banner "Summary"
 printf '%-6s %-28s %-18s %8s\n' part what status seconds
 for part in "${ORDER[@]}"; do

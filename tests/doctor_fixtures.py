@@ -67,6 +67,82 @@ class RandomLayerDrop(nn.Module):
         return x
 
 
+class Supernet(nn.Module):
+    """One of four choices per call, picked by the caller (random in a supernet job). With
+    ``plain=True`` the choices are an nn.ModuleList called as ``choices[i](x)`` (if/else);
+    ``unused_head=True`` adds a layer that is never called."""
+
+    def __init__(self, plain: bool = False, unused_head: bool = False) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        layers = [nn.Linear(4, 4) for _ in range(4)]
+        self.choices = nn.ModuleList(layers) if plain else maskedbranch.MaskedBranch(layers)
+        self.plain = plain
+        if unused_head:
+            self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, choice: int) -> torch.Tensor:
+        h = self.stem(x)
+        return self.choices[choice](h) if self.plain else self.choices(h, choice)
+
+
+class NotCalled(nn.Module):
+    """A MaskedBranch that the forward never calls (left over from a refactoring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.choices = maskedbranch.MaskedBranch([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class Bypassed(nn.Module):
+    """A MaskedBranch whose branches the forward calls directly, as the ModuleList it replaced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.choices = maskedbranch.MaskedBranch([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, choice: int) -> torch.Tensor:
+        return self.choices[choice](x)
+
+
+class PartlyCalled(Supernet):
+    """Calls its MaskedBranch only when the choice is not negative."""
+
+    def forward(self, x: torch.Tensor, choice: int) -> torch.Tensor:
+        return super().forward(x, choice) if choice >= 0 else self.stem(x)
+
+
+class Nested(nn.Module):
+    """A Supernet (a MaskedBranch inside) as branch 1 of a MaskedBranch that always runs branch 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outer = maskedbranch.MaskedBranch([nn.Linear(4, 4), Supernet()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(x, 0)
+
+
+class ResidualStack(nn.Module):
+    """LayerDrop with ResidualDropPath (whole batch dropped or kept, if/else gradient semantics)."""
+
+    def __init__(self, depth: int, drop_prob: float) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            maskedbranch.ResidualDropPath(nn.Linear(4, 4), drop_prob, mode="batch", materialize_grads=None)
+            for _ in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 class Broken(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -105,6 +181,17 @@ def layer_drop():
 
 def broken():
     return Broken(), torch.randn(2, 4)
+
+
+def keyword_inputs():
+    """Per-rank inputs built with maskedbranch.doctor.Inputs and a keyword argument."""
+    from maskedbranch.doctor import Inputs
+
+    return Supernet(), lambda rank: Inputs(torch.randn(2, 4), choice=rank % 4)
+
+
+def not_called():
+    return NotCalled(), torch.randn(2, 4)
 
 
 def not_a_model():

@@ -1,25 +1,20 @@
-"""maskedbranch.doctor: the unused-parameter finder (library and command line)."""
+"""maskedbranch.doctor, the library: what breaks DDP, grouped by module, and what routing did
+(the command line: tests/test_doctor_cli.py)."""
 import dataclasses
 import os
-import subprocess
-import sys
-import textwrap
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import maskedbranch
 from maskedbranch import doctor
 from maskedbranch.doctor import Inputs, find_divergent_parameters, find_unused_parameters
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:  # the factories module, also for the in-process command-line tests
-    sys.path.insert(0, HERE)
-
-import doctor_fixtures as fx  # noqa: E402
-HAS_MASKED_BRANCH = hasattr(maskedbranch, "MaskedBranch")
-HAS_RESIDUAL_DROP_PATH = hasattr(maskedbranch, "ResidualDropPath")
+import doctor_fixtures as fx
+from harness import run_ranks
 
 
 def reference_inputs():
@@ -34,6 +29,19 @@ def states(report):
     return {p.name: "".join(p.ranks) for p in report.parameters}
 
 
+def flat(report):
+    """The report's text with wrapped paragraphs joined (table rows are not wrapped)."""
+    return " ".join(str(report).split())
+
+
+def groups(report):
+    return [(g.module, len(g.parameters), g.ranks, g.finding) for g in report.groups if g.finding != "ok"]
+
+
+def choice_inputs(choices):
+    return [Inputs(torch.randn(2, 4), choice=c) for c in choices]
+
+
 # ----------------------------------------------------------------------------------------------
 # Library
 
@@ -41,15 +49,16 @@ def states(report):
 def test_reference_if_else_is_divergent():
     report = find_divergent_parameters(fx.IfElse(), reference_inputs(), loss_fn=half_square)
     assert report.divergent == ["layer1.weight", "layer2.weight"]
-    assert report.unused == []
+    assert report.unused == [] and report.not_sampled == []
     assert not report.safe and report.breaks_ddp and report.exit_code == 1
     by_name = {p.name: p for p in report.parameters}
     assert by_name["layer1.weight"].used_on == [1, 3]  # odd ranks feed an even batch
     assert by_name["layer2.weight"].used_on == [0, 2]
     assert states(report) == {"layer1.weight": "-+-+", "layer2.weight": "+-+-"}
-    text = str(report)
-    assert "layer1.weight" in text and "layer2.weight" in text
-    assert "DIVERGENT" in text and "NOT safe for DDP with find_unused_parameters=False" in text
+    assert groups(report) == [("layer1", 1, "-+-+", "divergent"), ("layer2", 1, "+-+-", "divergent")]
+    text = flat(report)
+    assert "DIVERGENT: not in the graph on ranks 0, 2" in text
+    assert "NOT safe for DDP with find_unused_parameters=False: 2 parameters in 2 modules" in text
     assert "MaskedBranch" in text and "find_unused_parameters=True" in text
 
 
@@ -60,13 +69,27 @@ def test_single_input_lists_the_branch_not_taken():
     assert "UNUSED" in str(report) and not report.safe
 
 
-def test_always_unused_parameter_is_flagged_on_every_rank():
-    inputs = [(torch.randn(r + 1, 4),) for r in range(3)]
-    report = find_divergent_parameters(fx.WithUnusedHead(), inputs)
-    assert report.unused == ["extra.weight", "extra.bias"]
-    assert report.divergent == []
-    assert "UNUSED on every rank" in str(report)
-    assert "requires_grad_(False)" in str(report)
+def test_unused_parameters_are_grouped_by_module():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.extra = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))  # never called
+            self.scale = nn.Parameter(torch.ones(4))  # the root's own parameters: a group each
+            self.unused_scale = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return self.body(x) * self.scale
+
+    report = find_divergent_parameters(M(), [(torch.randn(r + 1, 4),) for r in range(3)])
+    assert report.unused == ["unused_scale", "extra.0.weight", "extra.0.bias", "extra.2.weight", "extra.2.bias"]
+    assert groups(report) == [("unused_scale", 1, "---", "unused"), ("extra", 4, "---", "unused")]
+    assert [g.module for g in report.groups if g.finding == "ok"] == ["scale", "body"]
+    text = str(report)
+    assert "  extra         4       ---    UNUSED on every rank" in text
+    assert "extra.0.weight" not in text  # one row per module, not per parameter
+    assert "requires_grad_(False)" in text
+    assert "body" not in text and "body" in report.format(show_all=True)
 
 
 def test_model_using_everything_is_safe():
@@ -76,10 +99,9 @@ def test_model_using_everything_is_safe():
     assert report.safe and report.exit_code == 0
     assert [p.name for p in report.parameters] == ["0.weight", "2.weight", "2.bias"]
     assert report.frozen == ["0.bias"]
+    assert [(g.module, len(g.parameters), g.ranks) for g in report.groups] == [("(model)", 3, "++")]
     text = str(report)
-    assert "Verdict: safe for DDP with find_unused_parameters=False" in text
-    assert "1 frozen" in text
-    assert all(p.ranks == ("+", "+") for p in report.parameters)
+    assert "Verdict: safe for DDP with find_unused_parameters=False" in text and "1 frozen" in text
 
 
 def test_zero_and_anchored_gradients_are_in_the_graph():
@@ -110,7 +132,6 @@ def test_model_state_is_untouched():
     model[2].train()  # a per-module flag must survive too
     grad0 = torch.full_like(model[0].weight, 7.0)
     model[0].weight.grad = grad0
-    assert model[3].weight.grad is None
     stats = {k: v.clone() for k, v in model[1].state_dict().items()}
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     inputs = [(torch.randn(5, 4) * 3 + 1,)] * 2
@@ -129,6 +150,16 @@ def test_model_state_is_untouched():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_routing_modules_are_left_as_found():
+    model = fx.Supernet()
+    model(torch.randn(2, 4), 1).sum().backward()  # a training step's record of branch 1
+    bits = model.choices._usage.bits
+    find_divergent_parameters(model, choice_inputs([0, 2]))
+    assert model.choices._usage.bits == bits == 0b10  # what the step-time pruning will read
+    assert not model.choices._forward_pre_hooks  # the doctor's call counters are gone
+    assert model.choices[0].weight.grad is None
+
+
 def test_eval_mode_and_training_flag():
     model = fx.RandomLayerDrop()
     report = find_divergent_parameters(model, [(torch.randn(2, 4),)] * 3, train=False)
@@ -140,10 +171,8 @@ def test_random_routing_per_rank_is_seeded():
     model = fx.RandomLayerDrop(depth=6)
     inputs = [(torch.randn(2, 4),)] * 4
     first = find_divergent_parameters(model, inputs, seed=1)
-    again = find_divergent_parameters(model, inputs, seed=1)
-    assert states(first) == states(again)
-    assert first.divergent  # with these seeds, the blocks that run differ between ranks
-    assert not first.safe
+    assert states(first) == states(find_divergent_parameters(model, inputs, seed=1))
+    assert first.divergent and not first.safe  # with these seeds, the blocks that run differ between ranks
 
 
 def test_callable_inputs_get_the_rank():
@@ -171,10 +200,7 @@ def test_structured_outputs_and_detached_heads():
     class M(nn.Module):
         def __init__(self):
             super().__init__()
-            self.a = nn.Linear(2, 2)
-            self.b = nn.Linear(2, 2)
-            self.c = nn.Linear(2, 2)
-            self.d = nn.Linear(2, 2)
+            self.a, self.b, self.c, self.d = (nn.Linear(2, 2) for _ in range(4))
 
         def forward(self, x):
             ids = torch.arange(3)  # integer tensors are skipped
@@ -182,7 +208,6 @@ def test_structured_outputs_and_detached_heads():
 
     report = find_unused_parameters(M(), torch.randn(3, 2))
     assert report.unused == ["c.weight", "c.bias"]
-    # a loss function that reads one output only
     report = find_unused_parameters(M(), torch.randn(3, 2), loss_fn=lambda out: out[0].logits.pow(2).sum())
     assert report.unused == ["b.weight", "b.bias", "c.weight", "c.bias", "d.weight", "d.bias"]
 
@@ -215,7 +240,7 @@ def test_tied_parameters_are_reported_once_with_aliases():
 
     report = find_unused_parameters(Tied(), torch.tensor([1, 2]))
     assert [(p.name, p.aliases) for p in report.parameters] == [("embed.weight", ("head.weight",))]
-    assert report.safe and "(= head.weight)" in str(report)
+    assert report.safe and [g.parameters for g in report.groups] == [["embed.weight"]]
 
 
 def test_forward_that_raises_is_reported():
@@ -225,7 +250,7 @@ def test_forward_that_raises_is_reported():
     text = str(report)
     assert "Ranks 0, 1 failed in the forward: RuntimeError" in text
     assert "a shape bug" in text  # the user's line in the traceback
-    assert "doctor.py" not in text  # our own frames are trimmed
+    assert os.path.join("maskedbranch", "doctor") not in text  # the doctor's own frames are trimmed
     assert "incomplete" in text
 
 
@@ -251,183 +276,164 @@ def test_bad_arguments():
         find_divergent_parameters(fx.IfElse(), [])
     with pytest.raises(TypeError, match="loss_fn"):
         find_divergent_parameters(fx.IfElse(), [(torch.ones(2, 1),)], loss_fn=3)
+    with pytest.raises(TypeError, match="seed"):
+        find_divergent_parameters(fx.IfElse(), [(torch.ones(2, 1),)], seed=1.5)
 
 
 def test_exported_from_the_package():
     assert maskedbranch.find_unused_parameters is find_unused_parameters
     assert maskedbranch.find_divergent_parameters is find_divergent_parameters
+    assert maskedbranch.doctor is doctor and doctor.Inputs is Inputs
     assert {"find_unused_parameters", "find_divergent_parameters"} <= set(maskedbranch.__all__)
 
 
-@pytest.mark.skipif(not HAS_MASKED_BRANCH, reason="maskedbranch.MaskedBranch is not available yet")
+# ----------------------------------------------------------------------------------------------
+# Routing modules: sampled or not, called or not
+
+
 def test_if_else_rewritten_with_masked_branch_is_safe():
     report = find_divergent_parameters(fx.MaskedIfElse(), reference_inputs(), loss_fn=half_square)
     assert report.safe, str(report)
-    # the branch that did not run is anchored: in the graph, gradient undefined
-    assert states(report) == {"layers.branches.0.weight": "~+~+", "layers.branches.1.weight": "+~+~"}
+    # the branch that did not run is tied in, as under DDP: in the graph, gradient undefined
+    assert states(report) == {"layers.0.weight": "~+~+", "layers.1.weight": "+~+~"}
+    assert report.not_sampled == [] and "Verdict: safe" in str(report)
 
 
-@pytest.mark.skipif(not HAS_RESIDUAL_DROP_PATH, reason="maskedbranch.ResidualDropPath is not available yet")
 def test_layer_drop_with_residual_drop_path_is_safe():
-    class Blocks(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(
-                maskedbranch.ResidualDropPath(nn.Linear(4, 4), drop_prob=0.5, mode="batch") for _ in range(6)
-            )
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return x
-
     inputs = [(torch.randn(2, 4),)] * 4
     assert not find_divergent_parameters(fx.RandomLayerDrop(depth=6), inputs, seed=1).safe
-    report = find_divergent_parameters(Blocks(), inputs, seed=1)
+    blocks = [maskedbranch.ResidualDropPath(nn.Linear(4, 4), drop_prob=0.5, mode="batch") for _ in range(6)]
+    report = find_divergent_parameters(nn.Sequential(*blocks), inputs, seed=1)
     assert report.safe, str(report)
-    assert any("~" in p.ranks or "0" in p.ranks for p in report.parameters)  # some blocks were dropped
+    assert any("0" in p.ranks for p in report.parameters)  # dropped blocks: zero gradients (the default)
 
 
-@pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
-)
-def test_verdict_agrees_with_ddp(tmp_path):
-    """One rank of real DDP (gloo, in this process): the second iteration raises exactly when the
-    doctor finds parameters not in the graph."""
-    import torch.distributed as dist
+def test_unsampled_masked_branch_choices_are_not_unused():
+    report = find_divergent_parameters(fx.Supernet(), choice_inputs([0, 2, 0]))
+    assert report.safe and report.unused == [] and report.divergent == []
+    assert report.not_sampled == ["choices.1.weight", "choices.1.bias", "choices.3.weight", "choices.3.bias"]
+    assert groups(report) == [("choices.1", 2, "~~~", "not sampled"), ("choices.3", 2, "~~~", "not sampled")]
+    assert [r.ran for r in report.routing] == [[0b1, 0b100, 0b1]]
+    text = flat(report)
+    assert "not sampled: MaskedBranch choices ran branches 0, 2 of 4 in 3 calls" in text
+    assert "Do not delete them; run more ranks (--ranks 16" in text
+    assert "requires_grad_(False)" not in text and "remove them" not in text
 
-    x4, x1 = torch.randn(3, 4), torch.ones(2, 1)
-    cases = [  # (model factory, input, what the doctor should say)
-        (fx.WithUnusedHead, x4, False),
-        (fx.IfElse, x1, False),
-        (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), x4, True),
+
+def test_unused_parameters_outside_routing_are_told_apart():
+    report = find_divergent_parameters(fx.Supernet(unused_head=True), choice_inputs([0, 1]))
+    assert groups(report) == [
+        ("choices.2", 2, "~~", "not sampled"), ("choices.3", 2, "~~", "not sampled"), ("head", 2, "--", "unused"),
     ]
-    if HAS_MASKED_BRANCH:
-        cases.append((fx.MaskedIfElse, x1, True))
-        cases.append((lambda: _Gated(maskedbranch.MaskedBranch([nn.Linear(4, 4), nn.Linear(4, 4)])), x4, True))
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        for make, x, expected in cases:
-            torch.manual_seed(0)
-            assert find_unused_parameters(make(), x).safe == expected, make
-            ddp = nn.parallel.DistributedDataParallel(make())
-            try:
-                for _ in range(2):
-                    ddp(x).sum().backward()
-                ddp_ok = True
-            except RuntimeError as e:
-                assert "Expected to have finished reduction" in str(e)
-                ddp_ok = False
-            assert ddp_ok == expected, make
-    finally:
-        dist.destroy_process_group()
+    assert report.unused == ["head.weight", "head.bias"] and not report.safe
+    assert "requires_grad_(False)" in str(report)  # the advice for head
 
 
-class _Gated(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(x, 1)  # branch 0 never runs, but is anchored
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
-
-
-def run_cli(*args, cwd=HERE):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run(
-        [sys.executable, "-m", "maskedbranch.doctor", *args],
-        cwd=cwd,  # not the repository root: import the installed maskedbranch, as the tests do
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_plain_routing_choices_are_not_called_unused():
+    report = find_divergent_parameters(fx.Supernet(plain=True), choice_inputs([0, 2, 0]))
+    assert groups(report) == [
+        ("choices.0", 2, "+-+", "divergent"), ("choices.1", 2, "---", "choice not sampled"),
+        ("choices.2", 2, "-+-", "divergent"), ("choices.3", 2, "---", "choice not sampled"),
+    ]
+    assert report.unused == ["choices.1.weight", "choices.1.bias", "choices.3.weight", "choices.3.bias"]
+    text = flat(report)
+    assert "NOT SAMPLED (plain Python routing): other choices in choices are used on some ranks only" in text
+    assert "do not delete them" in text and "requires_grad_(False)" not in text
+    # LayerDrop with a Python if: a block that no rank kept is not sampled either, never "unused"
+    # a block is kept on neither rank with probability 1/4 (none of 16: 1%), on one only with 1/2
+    report = find_divergent_parameters(fx.RandomLayerDrop(depth=16), [(torch.randn(2, 4),)] * 2, seed=0)
+    findings = {g.finding for g in report.groups}
+    assert {"divergent", "choice not sampled"} <= findings and "unused" not in findings, str(report)
 
 
-def test_cli_exit_codes_and_output():
-    bad = run_cli("doctor_fixtures:reference")
-    assert bad.returncode == 1, bad.stderr
-    assert "layer1.weight" in bad.stdout and "layer2.weight" in bad.stdout
-    assert "DIVERGENT" in bad.stdout and "NOT safe" in bad.stdout
-    assert "RuntimeWarning" not in bad.stderr  # no double import by runpy
-
-    good = run_cli("doctor_fixtures:all_used", "--ranks", "2")
-    assert good.returncode == 0, good.stdout + good.stderr
-    assert "2 simulated ranks" in good.stdout and "Verdict: safe" in good.stdout
-
-    usage = run_cli("doctor_fixtures:not_a_model")
-    assert usage.returncode == 2
-    assert "the factory returned int" in usage.stderr and usage.stdout == ""
+def test_residual_drop_path_not_sampled_with_its_probability():
+    report = find_divergent_parameters(fx.ResidualStack(8, drop_prob=0.75), [(torch.randn(3, 4),)] * 2, seed=0)
+    assert report.safe, str(report)
+    dropped = [r.name for r in report.routing if not any(r.ran)]
+    assert dropped  # each block is dropped on both ranks with probability 0.56: all 8 kept is 0.1%
+    assert [g.module for g in report.groups if g.finding == "not sampled"] == dropped
+    assert f"{dropped[0]} (drop_prob=0.75, mode=batch) dropped it in all 2 calls (probability 0.56)" in flat(report)
 
 
-def cli(capsys, *args):
-    code = doctor.main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
+def test_masked_branch_that_is_never_called():
+    model = fx.NotCalled()
+    model.activations = maskedbranch.MaskedBranch([nn.Identity(), nn.ReLU()])  # no parameters
+    report = find_divergent_parameters(model, [(torch.randn(2, 4),)] * 2)
+    assert report.not_called == ["choices", "activations"] and not report.safe
+    assert "Note: MaskedBranch activations is in the model, but the forward never calls it." in str(report)
+    assert groups(report) == [("choices", 4, "--", "not called")]
+    text = " ".join(str(report).split())
+    assert "NOT CALLED: MaskedBranch choices is in the model, but the forward never calls it" in text
+    assert "Call each routing module itself" in text and "requires_grad_(False)" not in text
+    # a rank that failed before the call says nothing about it
+    assert find_divergent_parameters(fx.Supernet(), [(torch.randn(2, 4),)]).not_called == []
 
 
-def test_cli_usage_errors(capsys, tmp_path):
-    assert cli(capsys, "no_colon")[0] == 2
-    code, _, err = cli(capsys, "no_such_module_xyz:factory")
-    assert code == 2 and "cannot import 'no_such_module_xyz'" in err
-    code, _, err = cli(capsys, "doctor_fixtures:nope")
-    assert code == 2 and "no attribute 'nope'" in err
-    code, _, err = cli(capsys, "doctor_fixtures:reference", "--ranks", "3")
-    assert code == 2 and "--ranks 3 disagrees" in err
-    code, _, err = cli(capsys, "doctor_fixtures:IfElse")  # a model class, not a factory
-    assert code == 2 and "the factory returned IfElse" in err
-    with pytest.raises(SystemExit) as exc:
-        doctor.main(["doctor_fixtures:all_used", "--ranks", "0"])
-    assert exc.value.code == 2
-    with pytest.raises(SystemExit) as exc:
-        doctor.main(["--help"])
-    assert exc.value.code == 0
-    help_text = capsys.readouterr().out
-    assert "inputs_per_rank" in help_text and "make_inputs" in help_text and "Exit status" in help_text
+def test_masked_branch_whose_branches_are_called_directly():
+    report = find_divergent_parameters(fx.Bypassed(), choice_inputs([0, 1]))
+    assert report.not_called == ["choices"] and report.divergent == [
+        "choices.0.weight", "choices.0.bias", "choices.1.weight", "choices.1.bias"
+    ]
+    assert "MaskedBranch choices is never called: its branches are called directly" in flat(report)
+    # a routing module called on some ranks only
+    report = find_divergent_parameters(fx.PartlyCalled(), choice_inputs([0, -1]))
+    assert report.not_called == [] and groups(report)[:2] == [
+        ("choices.0", 2, "+-", "divergent"), ("choices.1", 2, "~-", "divergent")
+    ]
+    assert "MaskedBranch choices is called on ranks 0 only" in flat(report)
 
 
-def test_cli_make_inputs_per_rank_and_file_targets(capsys, tmp_path):
-    code, out, _ = cli(capsys, "doctor_fixtures:unused_head", "--ranks", "3")
-    assert code == 1 and "extra.weight" in out and "UNUSED on every rank" in out
-    assert "3 simulated ranks" in out
-    code, out, _ = cli(capsys, "doctor_fixtures:broken", "--ranks", "1")
-    assert code == 3 and "failed in the forward" in out
-    code, out, _ = cli(capsys, "doctor_fixtures:layer_drop", "--ranks", "1", "--eval")
-    assert code == 0 and "eval mode" in out
-
-    script = tmp_path / "my_model.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import torch
-            from torch import nn
-
-            class Skip(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.a = nn.Linear(2, 2)
-                    self.b = nn.Linear(2, 2)
-
-                def forward(self, x, use_b=False):
-                    return self.b(x) if use_b else self.a(x)
-
-            def build():
-                from maskedbranch.doctor import Inputs
-                x = torch.randn(3, 2)
-                return {"model": Skip(), "inputs_per_rank": [Inputs(x), Inputs(x, use_b=True)]}
-            """
-        )
-    )
-    code, out, _ = cli(capsys, f"{script}:build")
-    assert code == 1
-    assert "a.weight" in out and "b.bias" in out and "DIVERGENT" in out and "2 simulated ranks" in out
+def test_nested_routing_module_in_an_unsampled_branch_is_not_flagged():
+    report = find_divergent_parameters(fx.Nested(), [(torch.randn(2, 4),)] * 2)
+    assert report.safe and report.not_called == []
+    assert groups(report) == [("outer.1", 10, "~~", "not sampled")]
+    assert "MaskedBranch outer ran branch 0 of 2 in 2 calls" in flat(report)
 
 
-@pytest.mark.skipif(not HAS_MASKED_BRANCH, reason="maskedbranch.MaskedBranch is not available yet")
-def test_cli_masked_branch_reference_is_safe(capsys):
-    code, out, _ = cli(capsys, "doctor_fixtures:masked_reference")
-    assert code == 0 and "Verdict: safe" in out
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+def test_verdict_agrees_with_ddp():
+    """Two ranks of real DDP (gloo): the second iteration raises exactly when the doctor finds
+    parameters out of the graph on some rank, for the same per-rank inputs."""
+    ranks = run_ranks(_ddp_worker, 2, timeout_s=180, what="the DDP job")
+    for name, (make, inputs) in _DDP_CASES.items():
+        report = find_divergent_parameters(make(), [inputs(r) for r in range(2)])
+        for r, seen in enumerate(ranks):
+            assert seen[name] in ("ok", "raised"), f"rank {r}, {name}: {seen[name]}"
+            assert (seen[name] == "ok") == report.safe, f"{name}: DDP {seen[name]} on rank {r}, doctor:\n{report}"
+    assert set(ranks[0].values()) == {"ok", "raised"}
+
+
+_DDP_CASES = {  # name: (model factory, rank -> inputs); every rank draws the same parameters
+    "if_else": (fx.IfElse, lambda r: (torch.ones(r + 1, 1),)),
+    "unused_head": (fx.WithUnusedHead, lambda r: (torch.ones(3, 4),)),
+    "dense": (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), lambda r: (torch.ones(3, 4),)),
+    "masked_if_else": (fx.MaskedIfElse, lambda r: (torch.ones(r + 1, 1),)),
+    "supernet": (fx.Supernet, lambda r: Inputs(torch.ones(2, 4), choice=r)),
+    "plain_supernet": (lambda: fx.Supernet(plain=True), lambda r: Inputs(torch.ones(2, 4), choice=r)),
+    "residual_drop_path": (lambda: fx.ResidualStack(3, drop_prob=0.5), lambda r: (torch.ones(2, 4),)),
+    "not_called": (fx.NotCalled, lambda r: (torch.ones(2, 4),)),
+    "bypassed": (fx.Bypassed, lambda r: Inputs(torch.ones(2, 4), choice=r)),
+}
+
+
+def _ddp_worker(rank, world, init_file, out_dir):
+    from maskedbranch.doctor.rank import _as_call
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    seen = {}
+    for name, (make, inputs) in _DDP_CASES.items():
+        group = dist.new_group(list(range(world)))  # a case that goes wrong cannot disturb the next
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(make(), process_group=group)
+        args, kwargs = _as_call(inputs(rank))
+        try:
+            for step in range(2):
+                torch.manual_seed(10 * step + rank)
+                out = ddp(*args, **kwargs)
+                (0.5 * out**2).sum().backward()
+            seen[name] = "ok"
+        except RuntimeError as e:
+            seen[name] = "raised" if "Expected to have finished reduction" in str(e) else repr(e)
+    torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
