@@ -161,12 +161,17 @@ def test_breaks_residual_drop_path_training(mode, scale_by_keep):
 
 @pytest.mark.parametrize("materialize", [None, False, True])
 def test_masked_branch_equals_eager(materialize):
-    """Every gate kind in turn through one compiled module (recompiling where the routing
-    changes), with the weights gate's gradient."""
+    """Gate kinds in turn through one compiled module (recompiling where the routing changes),
+    with the weights gate's gradient: every kind with the default, the ones with dead branches
+    where the dead parameters are tied (True: zeros, False: undefined)."""
     torch.manual_seed(0)
     module = mb.MaskedBranch([nn.Linear(D, D) for _ in range(N)], materialize_grads=materialize)
     x = torch.randn(B, D)
-    gates = [1, *gate_cases().values(), -1, gate_cases()["ids"].flip(0)]
+    cases = gate_cases()
+    if materialize is None:
+        gates = [1, *cases.values(), -1, cases["ids"].flip(0)]
+    else:
+        gates = [1, cases["ids_one_branch_dead"], cases["all_dead"], -1]
     assert_compiled_equals_eager(module, *[(x, g) for g in gates])
 
 
@@ -214,8 +219,8 @@ def test_stochastic_depth_stack_equals_eager():
         )
     torch.compiler.reset()
     torch.manual_seed(0)
-    stack = nn.Sequential(*[mb.ResidualDropPath(nn.Linear(D, D), p) for p in (0.1, 0.2, 0.4)]).train()
-    assert_compiled_equals_eager(stack, *[(torch.randn(B, D),)] * 2)
+    stack = nn.Sequential(*[mb.ResidualDropPath(nn.Linear(D, D), p) for p in (0.1, 0.4)]).train()
+    assert_compiled_equals_eager(stack, (torch.randn(B, D),))
 
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="inductor needs a C++ compiler")
@@ -275,8 +280,8 @@ def test_compiling_elsewhere_does_not_recompile_routed_frames():
     """Dynamo's own graph modules register submodules (the hooks that keep the branch caches
     current); routed frames must not guard on that."""
     torch.manual_seed(0)
-    routed = mb.MaskedBranch([mlp() for _ in range(N)])
-    block = mb.ResidualDropPath(mlp(), 0.5, generator=torch.Generator()).train()
+    routed = mb.MaskedBranch([nn.Linear(D, D) for _ in range(N)])
+    block = mb.ResidualDropPath(nn.Linear(D, D), 0.5, generator=torch.Generator()).train()
     backend = Counting()
     model = torch.compile(lambda x: block(routed(x, 1)) + routed(x, gate_cases()["ids"]), backend=backend)
     x = torch.randn(B, D)
