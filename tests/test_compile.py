@@ -190,21 +190,22 @@ def test_residual_drop_path_equals_eager(mode):
     assert_same_grads(got[1], want[1], **TIGHT)
 
 
+@torch.compiler.disable
+def _probe_host(n):
+    return torch.randperm(n)
+
+
+def _probe_inner(x, p):
+    if p == 0.0:
+        return x
+    return x[_probe_host(x.shape[0])] * p
+
+
 def _float_arg_recompile():
     """Plain torch: a nested frame that compares a float argument and then breaks, compiled for
-    two values of the float."""
-
-    @torch.compiler.disable
-    def host(n):
-        return torch.randperm(n)
-
-    def inner(x, p):
-        if p == 0.0:
-            return x
-        return x[host(x.shape[0])] * p
-
+    two values of the float (through AOTAutograd, whose pass on float inputs restarts Dynamo)."""
     for p in (0.5, 0.3):
-        torch.compile(lambda x: inner(x, p), backend="eager")(torch.ones(3))
+        torch.compile(lambda x: _probe_inner(x, p), backend="aot_eager")(torch.ones(3))
 
 
 def test_stochastic_depth_stack_equals_eager():
@@ -272,7 +273,7 @@ def test_residual_drop_path_kept_count_changes_every_step():
         assert backend.calls > calls, f"step {s} ran no compiled graph"
         compiled_after.append(backend.compiled)
     assert len(set(kept)) >= 5, kept  # the count did change
-    assert compiled_after[-1] <= 8, compiled_after
+    assert compiled_after[-1] <= 12, compiled_after  # 4 on torch 2.14, 9 on 2.6 (a graph per enclosing frame)
     assert compiled_after[7] == compiled_after[-1], f"graphs compiled per step: {compiled_after}"
 
 
