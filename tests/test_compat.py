@@ -8,7 +8,6 @@
   and removes its hooks cleanly (its DDP side is tested with real processes in the DDP tests).
 """
 import contextlib
-import copy
 
 import pytest
 import torch

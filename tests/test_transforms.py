@@ -14,7 +14,6 @@
 Where a torch release itself cannot do something, the test skips on that release with the
 error torch gives, found by a probe that uses plain torch only (no maskedbranch code).
 """
-import copy
 
 import pytest
 import torch
