@@ -31,16 +31,16 @@ def _two_forms(cls):
     """Give a ``setup_context``-form Function an ``apply`` that picks the classic form in eager
     mode and the torch.func form under torch.func transforms and torch.compile."""
 
-    class Classic(Function):
-        @staticmethod
-        def forward(ctx, *args):
-            out = cls.forward(*args)
-            cls.setup_context(ctx, args, out)
-            return out
+    def forward(ctx, *args):
+        out = cls.forward(*args)
+        cls.setup_context(ctx, args, out)
+        return out
 
-        backward = staticmethod(cls.backward)
-
-    Classic.__name__ = Classic.__qualname__ = cls.__name__ + "Classic"
+    # Named at creation: Function's metaclass names the backward node class then (renaming the
+    # class afterwards left every node "ClassicBackward" in profiles, errors and graphs).
+    name = cls.__name__ + "Classic"
+    Classic = type(name, (Function,), {"forward": staticmethod(forward), "backward": staticmethod(cls.backward),
+                                       "__qualname__": name, "__module__": cls.__module__})
     cls.classic = Classic
 
     def apply(*args):

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["functorch_active", "active_ddp", "ddp_python_reducer"]
+__all__ = ["functorch_active", "tracing", "active_ddp", "ddp_python_reducer"]
 
 _functorch_check = getattr(torch._C, "_are_functorch_transforms_active", None)
 
@@ -34,6 +34,15 @@ def functorch_active() -> bool:
     if _functorch_check is None or _force_fallback["functorch"]:
         return True  # fallback: the form that works under the transforms works everywhere
     return bool(_functorch_check())
+
+
+def tracing() -> bool:
+    """True while torch.compile traces or a torch.func transform runs: the routing modules then
+    build their branch structure afresh instead of using their cache. Dynamo would guard on the
+    cache (and its own graph modules invalidate it), and ``torch.func.functional_call`` swaps
+    parameters in without registering them, so a cache built under it would keep the swapped-in
+    tensors."""
+    return torch.compiler.is_compiling() or functorch_active()
 
 
 _DDP = nn.parallel.DistributedDataParallel

@@ -193,11 +193,11 @@ def _rows_of(t: Tensor, plan: _ops.Plan) -> List[Tensor]:
     return list(t.index_select(0, plan.rows).split(plan.counts))  # ids, masks: no gradient
 
 
-def _tied(table: Branches, live_mask: int, zeros: Optional[bool], extra: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, ...]:
+def _tied(table: Branches, live_mask: int, zeros: Optional[bool]) -> Tuple[Tensor, ...]:
     """The tensors to tie into the output: the dead branches' parameters that require grad."""
     if zeros is None or not torch.is_grad_enabled():
         return ()
-    return tuple(t for t in extra + table.tied(live_mask) if t.requires_grad)
+    return tuple(t for t in table.tied(live_mask) if t.requires_grad)
 
 
 def _aliases(table: Branches, x: Tensor, zeros: Optional[bool], where: str):
@@ -396,10 +396,20 @@ def _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where) -> 
     """No row reaches any branch: ``base`` (or zeros shaped like the branches' output), with x,
     the gate's weights, the tensor arguments and every parameter tied in, so that whatever
     produced them (a router, say) still gets its gradient."""
-    inputs = tuple(t for t in (gate, *args, *kwargs.values()) if isinstance(t, Tensor))
-    tied = _tied(table, 0, zeros, ((x,) if base is None else ()) + inputs)
+    inputs = tuple(
+        t for t in ((x,) if base is None else ()) + (gate, *args, *kwargs.values())
+        if isinstance(t, Tensor) and t.requires_grad
+    )
+    tied = _tied(table, 0, zeros)
     if base is not None:
-        return _autograd.tie(base, tied, bool(zeros)) if tied else base.clone()
-    trailing, dtype = _dead_output_signature(table, signatures, x, args, kwargs, where)
-    out = torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
-    return _autograd.tie(out, tied, bool(zeros)) if tied else out
+        out = base
+    else:
+        trailing, dtype = _dead_output_signature(table, signatures, x, args, kwargs, where)
+        out = torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
+    if zeros is not None and inputs and torch.is_grad_enabled():
+        # The inputs' gradients are zero, defined whatever the policy (exact: the output does not
+        # depend on them): compiled autograd cannot add an undefined gradient to their other ones.
+        out = _autograd.tie(out, inputs, True)
+    if tied:
+        out = _autograd.tie(out, tied, bool(zeros))
+    return base.clone() if out is base else out

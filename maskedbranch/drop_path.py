@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from . import _dead_grads, _route, _structure, unused_grads
+from . import _compat, _dead_grads, _route, _structure, unused_grads
 from ._args import check_per_row_devices
 
 __all__ = ["drop_path", "DropPath", "drop_add_residual", "ResidualDropPath"]
@@ -243,12 +243,8 @@ def _residual(
     if args or kwargs:  # before the draw: a refused call leaves the generator where it was
         check_per_row_devices(args, kwargs, x)
     keep_prob = 1.0 - float(drop_prob)
-    scale = _keep_scale(keep_prob, scale_by_keep, x.dtype)
-    gate: Any
-    if mode == "batch":
-        gate = 0 if bool(_draw(1, keep_prob, generator)[0]) else -1
-    else:
-        gate = _draw(x.shape[0], keep_prob, generator).to(torch.int64).sub_(1)  # 0 kept, -1 dropped
+    host = _host_routing_outside_graphs if torch.compiler.is_compiling() else _host_routing
+    gate, scale = host(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype, generator)
     zeros = _dead_grads.tie_policy(materialize, where)
     out, live = _route.route(table, x, gate, args, kwargs, zeros=zeros, base=x, scale=scale, where="branch")
     return out, bool(live)
@@ -352,6 +348,8 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
         unused_grads.register(self)
 
     def _table(self) -> _structure.Branches:
+        if _compat.tracing():  # built afresh (MaskedBranch._branches)
+            return _structure.Branches([_Checked(self.branch)], params=[tuple(self.branch.parameters())])
         cache = self._cache
         if not _structure.current(cache):
             cache = _structure.Branches([_Checked(self.branch)], _structure.version(), [tuple(self.branch.parameters())])
@@ -417,6 +415,26 @@ def _draw(n: int, keep_prob: float, generator: Optional[torch.Generator]) -> Ten
     return torch.empty(n, dtype=torch.float32).bernoulli_(keep_prob, generator=generator)
 
 
+def _host_routing(
+    mode: str, batch: int, keep_prob: float, scale_by_keep: bool, dtype: torch.dtype, generator: Optional[torch.Generator]
+) -> Tuple[Any, float]:
+    """The routing gate of one call (0: the branch runs, -1: it does not; for the batch, or one
+    per row) and the factor of kept rows."""
+    scale = _keep_scale(keep_prob, scale_by_keep, dtype)
+    if mode == "batch":
+        return (0 if bool(_draw(1, keep_prob, generator)[0]) else -1), scale
+    return _draw(batch, keep_prob, generator).to(torch.int64).sub_(1), scale  # 0 kept, -1 dropped
+
+
+# Under torch.compile this runs eagerly, one graph break before any traced op. Traced, the draw
+# would form a graph of its own ahead of the plan's data-dependent break (two breaks per call),
+# inductor would draw from its own random stream instead of the documented one, and the scale's
+# float arithmetic would need assume_constant_result, which crashes torch 2.6's Dynamo for a
+# float result ("'OutputGraph' object has no attribute 'distributed_state'"). Eager mode calls
+# _host_routing directly (the disable wrapper costs about 2 us a call).
+_host_routing_outside_graphs = torch.compiler.disable(_host_routing)
+
+
 def _keep_scale(keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> float:
     """The factor of kept rows, rounded to ``dtype`` as timm and torchvision round it (they
     divide a mask of ``dtype`` by keep_prob), so that results match theirs bit for bit."""
@@ -429,10 +447,9 @@ def _to_float32(v: float) -> float:
     return struct.unpack("f", struct.pack("f", v))[0]
 
 
-@torch.compiler.assume_constant_result  # Dynamo runs it once per (keep_prob, dtype)
 def _rounded_inverse(keep_prob: float, dtype: torch.dtype) -> float:
     """``torch.ones((), dtype=dtype).div_(keep_prob).item()`` in plain Python (no tensor, no
-    ``.item()``: torch.compile sees a constant). float32, float16 and bfloat16 tensors divide in
+    ``.item()``, no device sync). float32, float16 and bfloat16 tensors divide in
     float32 by ``float32(keep_prob)``; the float32 quotient is then rounded to the dtype. The
     quotient of two float32 numbers computed in float64 and rounded to float32 is the correctly
     rounded float32 quotient (float64 has more than 2 * 24 + 2 bits), so this is exact."""

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from . import _autograd, _dead_grads, _route, _structure, unused_grads
+from . import _autograd, _compat, _dead_grads, _route, _structure, unused_grads
 
 __all__ = ["MaskedBranch", "masked_branch"]
 
@@ -115,6 +115,13 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
         return len(self._modules)
 
     def _branches(self) -> _structure.Branches:
+        if _compat.tracing():
+            # Built afresh (see _compat.tracing). Under torch.compile, reading the cache's version
+            # would make the global structure version a guard, and Dynamo's own graph modules
+            # bump it (they register submodules), so every compilation would recompile every
+            # routed frame; Dynamo guards on parameters itself.
+            _structure.check_skippable(list(self._modules.values()), "branches")
+            return _structure.Branches(self._modules.values())
         cache = self._cache
         if not _structure.current(cache):
             _structure.check_skippable(list(self._modules.values()), "branches")
@@ -133,7 +140,8 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
     def forward(self, x: Tensor, gate: Any, *args: Any, **kwargs: Any) -> Tensor:
         cache = self._cache
         if (
-            type(gate) is int and not args and not kwargs and type(x) is Tensor and _structure.current(cache)
+            type(gate) is int and not args and not kwargs and type(x) is Tensor
+            and not _compat.tracing() and _structure.current(cache)  # see _branches
             and 0 <= gate < len(cache.branches) and x.dim() > 0
         ):
             # The per-batch int gate, the common case of routed layers, straight to the branch:

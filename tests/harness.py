@@ -166,3 +166,31 @@ class ReferenceResidual(torch.nn.Module):
         if rows.numel() == x.shape[0]:
             return x + self.branch(x) * (1 / keep)
         return x.index_add(0, rows, self.branch(x.index_select(0, rows)) * (1 / keep))
+
+
+def autograd_node_names(out: torch.Tensor) -> set:
+    """Class names of the autograd nodes in the graph behind ``out`` (which form of a routing
+    Function ran: ``CombineClassicBackward`` in eager mode, ``CombineBackward`` otherwise)."""
+    names, stack, seen = set(), [out.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        stack.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+def assert_same_grads(got: dict, want: dict, none_is_zero: bool = False, **tol) -> None:
+    """Two {name: gradient or None} dicts agree (undefined where the other is undefined, unless
+    ``none_is_zero``: torch.func returns zeros where autograd leaves a gradient undefined)."""
+    assert got.keys() == want.keys()
+    for k in want:
+        g, w = got[k], want[k]
+        if none_is_zero:
+            g = torch.zeros_like(w if g is None else g) if g is None and w is not None else g
+            w = torch.zeros_like(g) if w is None and g is not None else w
+        assert (g is None) == (w is None), f"{k}: defined in one run only"
+        if w is not None:
+            torch.testing.assert_close(g, w, msg=lambda m: f"{k}: {m}", **tol)

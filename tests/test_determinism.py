@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 import maskedbranch as mb
 
-from devices import DEVICES
+from harness import DEVICES
 
 B, D, N = 1536, 64, 6  # 512 rows per CPU task: 3 tasks
 
@@ -83,7 +83,7 @@ def s_route(device, kind):
     weights = _leaf(t["weights"].to(device)) if kind == "weights" else None
     gate = {"ids": t["ids"], "mask": t["mask"], "weights": t["weights"]}[kind]
     plan = mb.make_plan(gate, N, device=device)
-    ys = [torch.sin(y) * (i + 1) for i, y in enumerate(mb.split_packed(mb.gather(x, plan), plan))]
+    ys = [torch.sin(y) * (i + 1) for i, y in enumerate(mb.gather(x, plan))]
     out = mb.combine(ys, plan, weights=weights, base=base)
     leaves = {"x": x, "base": base} | ({"weights": weights} if weights is not None else {})
     return [plan.rows, plan.row_offsets, plan.row_branch, plan.row_pos] + _collect(out, t["grad"], leaves, [])
@@ -94,22 +94,26 @@ def s_route_channels_last(device):
     x = _leaf(t["x4"])
     gate = t["ids"][: x.shape[0]]
     plan = mb.make_plan(gate, N, device=device)
-    ys = [y * (i + 1) for i, y in enumerate(mb.split_packed(mb.gather(x, plan), plan))]
+    ys = [y * (i + 1) for i, y in enumerate(mb.gather(x, plan))]
     out = mb.combine(ys, plan, base=x)
     return _collect(out, torch.ones(()), {"x": x}, [])
 
 
-def s_drop_path_scale(device):
+def s_route_scale(device):
+    """The residual forms' combine: base plus one branch scaled per row (weights [B, 1])."""
     t = inputs(device)
-    y, base, scale = _leaf(t["x"]), _leaf(t["base"]), _leaf(t["scale"])
-    return _collect(mb.drop_path_scale(y, scale, base=base), t["grad"], {"y": y, "base": base, "scale": scale}, [])
+    x, scale = _leaf(t["x"]), _leaf(t["scale"][:, None])
+    plan = mb.make_plan(t["ids"].clamp(max=0), 1, device=device)  # -1 dropped, 0 kept
+    (y,) = mb.gather(x, plan)
+    out = mb.combine([torch.tanh(y)], plan, weights=scale, base=x)
+    return _collect(out, t["grad"], {"x": x, "scale": scale}, [])
 
 
 def s_anchor(device):
     t = inputs(device)
     x = _leaf(t["x"])
     ms = branches(device, linear=False)
-    out = mb.anchor(x * 2, [p for m in ms for p in m.parameters()], materialize=True)
+    out = mb.anchor(x * 2, [p for m in ms for p in m.parameters()], materialize=True)  # zeros for them
     return _collect(out, t["grad"], {"x": x}, ms)
 
 
@@ -154,7 +158,7 @@ def s_residual(device, mode, module):
 SCENARIOS: Dict[str, Callable] = {
     **{f"route[{k}]": (lambda d, k=k: s_route(d, k)) for k in ("ids", "mask", "weights")},
     "route[channels_last]": s_route_channels_last,
-    "drop_path_scale": s_drop_path_scale,
+    "route[scale]": s_route_scale,
     "anchor": s_anchor,
     **{f"MaskedBranch[{k}]": (lambda d, k=k: s_masked_branch(d, k, False)) for k in ("int", "ids", "mask", "weights")},
     **{f"MaskedBranch[{k},linear]": (lambda d, k=k: s_masked_branch(d, k, True)) for k in ("ids", "weights")},
