@@ -10,22 +10,25 @@ each branch runs on the kept samples only (through :func:`maskedbranch.drop_add_
     model = timm.create_model("convnext_tiny", drop_path_rate=0.4)
     print(mb_timm.patch(model))   # before DDP / FSDP / torch.compile
 
-How it works (and why this way). Every block that calls a drop-path module is traced with
+How it works, and why this way. Every block that calls a drop-path module is traced with
 torch.fx (its own ``forward`` only, every submodule a leaf). In the graph, a residual is
-``add(base, tail(drop_path(y)))``; its branch is ``y`` with every node computed only for ``y``,
-and ``tail`` a chain that commutes with a per-sample scale (layer scale, a multiplication by a
-parameter, permutes and reshapes keeping the batch first). Each such add becomes one call that
-runs the branch on the kept samples; the rest of the forward is timm's code, regenerated from
-the graph. The rewrite is generic rather than a table of block classes because timm's blocks
-vary in everything but that pattern (pre/post norms, layer scale before or after the drop path,
-projecting shortcuts, ``B, H, W, C = x.shape`` with window padding, activations after the add,
-tuple outputs): timm 1.0.31 has about 80 block classes owning a ``DropPath`` in 75 model files;
-plain symbolic tracing with leaf submodules traced all but one (TinyViT's block branches on its
-input's height), and every one that traced matched the pattern or a clear refusal. Tracing at
-the first training call with concrete per-sample shapes (a meta-tensor twin of each value whose
-batch size stays symbolic, maskedbranch/integrations/timm/_trace.py) handles that one too and
-any forward whose control flow reads input shapes. Which blocks and families were checked
-against timm is :data:`TESTED_FAMILIES`.
+``add(base, tail(drop_path(y)))``: its branch is ``y`` with every node computed only for ``y``,
+and ``tail`` a chain that commutes with a per-sample scale (layer scale, a product with a
+parameter, permutes and reshapes keeping the batch first). Each such add becomes one
+:func:`maskedbranch.drop_add_residual` call whose branch runs on the kept samples; any other use
+of ``drop_path(y)`` (a block without a shortcut, an activation after it) becomes the branch's
+output on the kept samples with zeros elsewhere. The rest of the forward is timm's code,
+regenerated from the graph. A generic rewrite rather than a table of block shapes, because
+timm's blocks agree on that pattern and on little else (pre/post norms, layer scale before or
+after the drop path, projecting shortcuts, ``B, H, W, C = x.shape`` with window padding,
+activations after the add, tuple outputs, several residuals nested): in timm 1.0.31, 78 block
+classes own a ``DropPath`` in 76 models surveyed; plain symbolic tracing traced 77 of them (not
+TinyViT's, whose forward branches on the input's height), and ``patch(model, strict=False)``
+converts every one of the 76 models but ResNeSt, which drops the block *input*. Blocks whose
+Python reads input shapes are traced at the first training call with concrete per-sample sizes
+(maskedbranch/integrations/timm/_trace.py: meta-tensor twins whose batch size stays a graph
+value). A table would need an entry per class and would go stale with every timm release; the
+families the tests compare with timm are :data:`TESTED_FAMILIES`.
 
 What changes and what does not:
 

@@ -152,11 +152,13 @@ def patched_class(original: type) -> type:
 
 
 def original_class(cls: type) -> type:
-    return cls.__dict__["_maskedbranch_original"]
+    """timm's class of a converted block (whose class may since have been subclassed again,
+    e.g. by FSDP2's ``fully_shard``)."""
+    return cls._maskedbranch_original
 
 
 def is_patched_class(cls: type) -> bool:
-    return "_maskedbranch_original" in cls.__dict__
+    return issubclass(cls, PatchedBlock)
 
 
 def _restore(original: type) -> nn.Module:
@@ -168,15 +170,20 @@ def _restore(original: type) -> nn.Module:
 # Arguments -> plan.
 
 
-@functools.lru_cache(maxsize=None)
+_SIGNATURES: Dict[type, Any] = {}
+
+
 def signature(cls: type) -> Optional[Tuple[Tuple[str, ...], Tuple[Any, ...], int]]:
     """(names, defaults, number of positional) of ``cls.forward`` after ``self``; None when it
     takes ``*args`` / ``**kwargs``."""
-    params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-        return None
-    positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
-    return tuple(p.name for p in params), tuple(p.default for p in params), positional
+    if cls not in _SIGNATURES:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            _SIGNATURES[cls] = None
+        else:
+            positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+            _SIGNATURES[cls] = tuple(p.name for p in params), tuple(p.default for p in params), positional
+    return _SIGNATURES[cls]
 
 
 def bind(block: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[List[Any]]:
@@ -285,12 +292,16 @@ def build_plan(block: nn.Module, state: BlockState, values: Sequence[Any]) -> Op
     slots, problems, _ = _graph.analyze(block, graph, is_drop_path)
     outputs: Dict[str, Any] = {}
     for s in list(slots):
-        if s.add is None:  # the masked form: its output must be per sample
-            y = meta(s.drop.args[0])
-            if isinstance(y, Tensor) and (y.dim() == 0 or y.shape[0] != _trace.META_ROWS):
-                problems[s.dp] = f"it drops rows of a tensor shaped {_shape(y)}, not the samples"
-                slots.remove(s)
-            outputs[s.dp] = (tuple(y.shape[1:]), y.dtype) if isinstance(y, Tensor) else None
+        # timm drops the rows of the drop path's input: they must be the samples
+        y = meta(s.drop.args[0])
+        if not isinstance(y, Tensor):
+            problems[s.dp] = "its branch does not run on meta tensors, so its rows cannot be checked"
+        elif y.dim() == 0 or y.shape[0] != _trace.META_ROWS:
+            problems[s.dp] = f"it drops rows of a tensor shaped {_shape(y)}, not the samples"
+        else:
+            outputs[s.dp] = (tuple(y.shape[1:]), y.dtype)
+            continue
+        slots.remove(s)
     for dp, why in problems.items():
         state.warn(block, f"uses {dp} in a way this patch does not convert ({why})")
     if not slots:
@@ -378,15 +389,13 @@ def _masked(x, branch, p, mode, scale_by_keep, generator, rest, params, material
     """``drop_path(branch(x, *rest))`` without a residual: the branch runs on the kept rows,
     the dropped rows are zeros (timm's values, and zero gradients for the parameters)."""
     keep = 1.0 - float(p)
-    scale = _keep_scale(keep, scale_by_keep, output[1] if output else x.dtype)
+    scale = _keep_scale(keep, scale_by_keep, output[1])
     if mode == "batch":
         gate: Any = 0 if bool(_draw(1, keep, generator)[0]) else -1
     else:
         gate = _draw(x.shape[0], keep, generator).to(torch.int64).sub_(1)
     zeros = _dead_grads.tie_policy(materialize, "maskedbranch.integrations.timm")
     if gate == -1 if isinstance(gate, int) else not bool((gate >= 0).any()):
-        if output is None:  # the output's shape is unknown: compute it, as timm would
-            return branch(x, *rest) * 0
         out = torch.zeros((x.shape[0], *output[0]), dtype=output[1], device=x.device)
         tied = tuple(t for t in (*params, x, *rest) if isinstance(t, Tensor) and t.requires_grad)
         return _autograd.tie(out, tied, bool(zeros)) if zeros is not None and tied and torch.is_grad_enabled() else out

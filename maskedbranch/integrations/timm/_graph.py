@@ -187,8 +187,8 @@ def _residual(block: nn.Module, order: Dict[fx.Node, int], d: fx.Node) -> Tuple[
     if not isinstance(base, fx.Node):
         return None, None, []
     in_place = u.target in _INPLACE_ADDS or u.target == "add_"
-    if in_place and any(order[v] > order[u] for v in base.users if v is not u):
-        return None, None, []  # an in-place add whose result aliases a value read later
+    if in_place and u.args[0] is base and any(order[v] > order[u] for v in base.users if v is not u):
+        return None, None, []  # ``base += ...`` and base read again afterwards: it must change
     return u, base, tail
 
 
