@@ -10,11 +10,17 @@ matter (another seed gives another output).
 import copy
 import dataclasses
 import io
+import os
+import traceback
 import warnings
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from harness import results_of, run_ranks
 
 try:
     import timm
@@ -496,6 +502,59 @@ def test_residual_patterns(name):
         assert warned and "not the samples" in warned[0] and counted.rows == dense.rows
     else:
         assert not warned and counted.rows < dense.rows
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP with find_unused_parameters=False: the patched model trains as DDP of timm's model.
+
+
+def _ddp_run(rank):
+    torch.manual_seed(0)
+    original = vit().double()
+    patched = copy.deepcopy(original)
+    mb_timm.patch(patched)
+    ddps = [nn.parallel.DistributedDataParallel(m, process_group=dist.new_group(backend="gloo")) for m in (original, patched)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01) for m in ddps]
+    rows = []
+    hooks = [b.mlp.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0])) for b in patched.blocks[1:]]
+    worst = 0.0
+    for step in range(3):
+        x = images(batch=4, seed=100 * step + rank)
+        grads = []
+        for model, opt in zip(ddps, opts):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(1000 * step + rank)  # other masks on every rank and step
+            model(x).square().mean().backward()
+            grads.append({k: p.grad for k, p in model.module.named_parameters()})
+            opt.step()
+        worst = max(worst, max((grads[1][k] - g).abs().max().item() for k, g in grads[0].items()))
+    for h in hooks:
+        h.remove()
+    params = max((a - b).abs().max().item() for a, b in zip(original.parameters(), patched.parameters()))
+    return {"worst_grad": worst, "params": params, "rows": rows}
+
+
+def _ddp_worker(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90))
+    try:
+        result = ("ok", _ddp_run(rank))
+    except Exception:  # noqa: BLE001 - reported by the test
+        result = ("error", traceback.format_exc())
+    torch.save({"timm": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_ddp_without_find_unused_parameters_trains_as_timm():
+    results = results_of(run_ranks(_ddp_worker, 2, 240, "the DDP job"), "timm")
+    for r, res in enumerate(results):
+        assert res["worst_grad"] < 1e-10 and res["params"] < 1e-10, f"rank {r}: {res}"
+    rows = [res["rows"] for res in results]  # the rows each MLP call saw (none when all dropped)
+    assert rows[0] != rows[1]  # the ranks skipped different samples
+    assert any(len(r) < 6 or min(r) < 4 for r in rows)  # samples were skipped
 
 
 # ----------------------------------------------------------------------------------------------

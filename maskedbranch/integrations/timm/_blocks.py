@@ -126,6 +126,8 @@ class PatchedBlock(_structure.InvalidatesOnApply):
             or _exporting()
         ):
             return super().__call__(*args, **kwargs)
+        # The rewritten forward, for this call only: nn.Module.__call__ still runs the hooks,
+        # and everything else (TorchScript, fx, state_dict) keeps seeing timm's forward.
         d = self.__dict__
         d["forward"] = functools.partial(_routed_forward, self, state)
         try:

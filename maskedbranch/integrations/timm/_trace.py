@@ -121,11 +121,11 @@ class Tracer(fx.Tracer):
     concrete value (everything else). ``inputs``: (name, value) in signature order, with a meta
     twin for tensors (shaped mode) or None (structural mode)."""
 
-    def __init__(self, inputs: Sequence[Tuple[str, Any]], metas: Optional[Dict[str, Any]], meta_root=None, autowrap=()):
+    def __init__(self, inputs: Sequence[Tuple[str, Any]], metas: Optional[Dict[str, Any]], autowrap=()):
         super().__init__(autowrap_functions=tuple(autowrap))
         self._inputs = list(inputs)
         self._metas = metas
-        self._meta_root = meta_root
+        self._meta_modules: Dict[str, nn.Module] = {}  # submodule path -> its meta copy
         self._in_meta = False  # executing a node on meta twins: module calls run, unrecorded
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -173,30 +173,32 @@ class Tracer(fx.Tracer):
     def _compute(self, node: fx.Node) -> Any:
         if node.op == "placeholder":
             return self._metas.get(node.target, UNKNOWN)
-        if node.op == "get_attr":
-            value = self._meta_root
-            for atom in str(node.target).split("."):
-                value = getattr(value, atom, UNKNOWN)
-            return value
         args = fx.node.map_arg(node.args, self.meta)
         kwargs = fx.node.map_arg(node.kwargs, self.meta)
         if _has_unknown(args) or _has_unknown(kwargs):
             return UNKNOWN
         args = fx.node.map_aggregate(args, _to_meta)
         kwargs = fx.node.map_aggregate(kwargs, _to_meta)
-        self._in_meta = True
+        was, self._in_meta = self._in_meta, True  # plain module attributes and calls, unrecorded
         try:
             with torch.no_grad(), suspended():
+                if node.op == "get_attr":
+                    value = self.root
+                    for atom in str(node.target).split("."):
+                        value = getattr(value, atom)
+                    return _to_meta(value)
                 if node.op == "call_function":
                     return node.target(*args, **kwargs)
                 if node.op == "call_method":
                     return getattr(args[0], node.target)(*args[1:], **kwargs)
                 if node.op == "call_module":
-                    return self._meta_root.get_submodule(node.target)(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - an op without a meta kernel: the twin is unknown
+                    if node.target not in self._meta_modules:
+                        self._meta_modules[node.target] = meta_copy(self.root.get_submodule(node.target))
+                    return self._meta_modules[node.target](*args, **kwargs)
+        except Exception:  # noqa: BLE001 - an op without a meta kernel (or a module that cannot be copied)
             return UNKNOWN
         finally:
-            self._in_meta = False
+            self._in_meta = was
         return UNKNOWN
 
     # -- shape queries ----------------------------------------------------------------------
@@ -244,8 +246,7 @@ def trace(block: nn.Module, inputs: Sequence[Tuple[str, Any]], metas: Optional[D
     when none). ``inputs``: (name, TENSOR or concrete value) in signature order; ``metas``:
     name -> meta twin of each tensor argument (shaped mode), or None (structural mode). Raises
     what fx raises on untraceable code."""
-    meta_root = meta_copy(block) if metas is not None else None
-    tracer = Tracer(inputs, metas, meta_root, timm_notrace_functions())
+    tracer = Tracer(inputs, metas, timm_notrace_functions())
     with suspended(), torch.random.fork_rng(devices=[]):
         graph = tracer.trace(block)
 
