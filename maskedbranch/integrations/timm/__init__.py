@@ -184,7 +184,7 @@ def _examine(block: nn.Module, owned: List[str]) -> Tuple[List[str], Dict[str, s
         if inside is not None:  # applied inside a child the block calls (e.g. an nn.Sequential)
             problems[p] = f"it is applied inside {inside}, not by a residual add in this block's forward"
     notes = [f"{p} {why}" for p, why in dense.items()]
-    bns = [m for s in slots for m in s.modules if any(_blocks._batch_stats_type(x) for x in block.get_submodule(m).modules())]
+    bns = [m for s in slots for m in s.modules if any(_blocks.batch_stats_type(x) for x in block.get_submodule(m).modules())]
     if bns:
         notes.append(f"BatchNorm in a branch ({', '.join(sorted(set(bns)))}): see patch(batch_norm=...)")
     return [s.dp for s in slots], problems, "; ".join(notes)

@@ -336,7 +336,7 @@ def _slot_call(
     row_idx = tuple(i for i, n in enumerate(slot.inputs) if n in tainted and i != x_index)
     bn_paths = [
         f"{m}.{n}" if n else m
-        for m in slot.modules for n, sub in block.get_submodule(m).named_modules() if _batch_stats_type(sub)
+        for m in slot.modules for n, sub in block.get_submodule(m).named_modules() if batch_stats_type(sub)
     ]
     module_paths, param_paths = list(slot.modules), list(slot.params)
     cache: List[Any] = [-1, None]  # (structure version, (BatchNorms, parameters))
@@ -405,5 +405,5 @@ def _masked(x, branch, p, mode, scale_by_keep, generator, rest, params, material
     return _route.route(table, x, gate, tuple(rest), {}, zeros=zeros, scale=scale, where="branch")[0]
 
 
-def _batch_stats_type(m: nn.Module) -> bool:
+def batch_stats_type(m: nn.Module) -> bool:
     return isinstance(m, _BATCH_NORMS) or type(m).__name__.startswith("EvoNorm2dB")
