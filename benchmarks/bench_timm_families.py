@@ -111,7 +111,7 @@ def kept_flop_fraction(model: nn.Module, x: torch.Tensor) -> float:
     """sum_b (1 - p_b) F_b / sum_b F_b over the blocks owning a drop path (forward FLOPs)."""
     owners = {n: m for n, m in model.named_modules() if any(isinstance(c, DropPath) for c in m.children())}
     model.eval()
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter:  # (not under no_grad: its module tracker fails there)
         model(x[:1])
     counts = counter.get_flop_counts()
     root = type(model).__name__
@@ -217,7 +217,10 @@ def main() -> None:
     rows = []
     for family in families:
         for rate in (float(r) for r in args.rates.split(",")):
-            rows.append(bench(family, rate, args))
+            try:
+                rows.append(bench(family, rate, args))
+            except Exception as e:  # noqa: BLE001 - one family's failure is a row of the table
+                rows.append({"family": family, "model": FAMILIES[family][0], "rate": rate, "status": f"error: {type(e).__name__}: {e}"})
             r = rows[-1]
             print(f"{family} {rate}: {r['status']}" + (f" ratio {r['ratio']:.2f} ideal {r['ideal']:.2f}" if "ratio" in r else ""), flush=True)
             for w in r.get("warnings", []):
