@@ -1,7 +1,8 @@
 """Integrations of maskedbranch with other libraries and torch features.
 
-* :mod:`maskedbranch.integrations.timm` - ``patch(model)`` converts the residual blocks of a timm
-  model (ViT / DeiT, ConvNeXt, Swin) so that stochastic depth skips the dropped rows' compute.
+* :mod:`maskedbranch.integrations.timm` - ``patch(model)`` converts the drop-path residuals of a
+  timm model (any family: a generic torch.fx rewrite) so that stochastic depth skips the dropped
+  samples' compute.
   Needs timm (``pip install "maskedbranch[timm]"``); importing this package does not import it.
 * :mod:`maskedbranch.integrations.transformers` - ``patch(model)`` makes the LayerDrop of a Hugging
   Face transformers model (the Wav2Vec2 family, BART / Whisper / Marian / ... encoders and
