@@ -17,7 +17,7 @@ zeros when ``zeros`` is set (docs/design.md, "Dead parameters").
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -52,9 +52,15 @@ def _two_forms(cls):
     return cls
 
 
+ZEROS_WHEN_COMPILED = 2
+"""A ``zeros`` setting for tied non-leaf inputs: undefined gradients in eager mode, zeros while
+compiled autograd (or AOTAutograd) traces the backward, which cannot add an undefined gradient
+to the other gradients of a tensor with several consumers."""
+
+
 def _tied_grads(ctx, first: int, tied: Sequence[Tuple[torch.Size, torch.dtype, torch.device]]) -> List[Optional[Tensor]]:
     """The gradients of the tied tensors (inputs ``first``, ``first + 1``, ...)."""
-    if not ctx.zeros:
+    if not ctx.zeros or (ctx.zeros == ZEROS_WHEN_COMPILED and not torch.compiler.is_compiling()):
         return [None] * len(tied)
     needs = ctx.needs_input_grad
     return [
@@ -193,7 +199,7 @@ def combine(
     )
 
 
-def tie(x: Tensor, tied: Sequence[Tensor], zeros: bool = False) -> Tensor:
+def tie(x: Tensor, tied: Sequence[Tensor], zeros: Union[bool, int] = False) -> Tensor:
     return Tie.route(x, zeros, *tied)
 
 

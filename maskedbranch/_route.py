@@ -407,9 +407,11 @@ def _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where) -> 
         trailing, dtype = _dead_output_signature(table, signatures, x, args, kwargs, where)
         out = torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
     if zeros is not None and inputs and torch.is_grad_enabled():
-        # The inputs' gradients are zero, defined whatever the policy (exact: the output does not
-        # depend on them): compiled autograd cannot add an undefined gradient to their other ones.
-        out = _autograd.tie(out, inputs, True)
+        # Tied so that DDP's hooks fire for whatever produced them; the gradient is undefined as
+        # in the if/else code unless zeros are asked for, and zero (exact: the output does not
+        # depend on them) when compiled autograd traces, as it cannot add an undefined gradient
+        # to their other ones.
+        out = _autograd.tie(out, inputs, True if zeros else _autograd.ZEROS_WHEN_COMPILED)
     if tied:
         out = _autograd.tie(out, tied, bool(zeros))
     return base.clone() if out is base else out
