@@ -259,7 +259,7 @@ def main():
     args, device = setup()
     world = dist.get_world_size()
     say(f"maskedbranch demo: {world} ranks, {dist.get_backend()} on {device.type}",
-        "", "== 1. Reference case (DESIGN.md), DDP with find_unused_parameters=False ==", "before: plain if/else")
+        "", "== 1. Reference case (docs/design.md), DDP with find_unused_parameters=False ==", "before: plain if/else")
     reproduced = reference_before(device)
     say("after: MaskedBranch([layer1, layer2]) with an int gate per rank")
     after = reference_after(device)

@@ -189,7 +189,7 @@ TRAININGS["batchnorm"] = dict(opt_name="sgd", bn=True)
 
 
 def scenario_reference(rank, world, group):
-    """DESIGN.md's reference case: two bias-free Linear(1, 1) layers with weight 1 (and one
+    """The reference case of docs/design.md: two bias-free Linear(1, 1) layers with weight 1 (and one
     that no rank uses); rank r feeds r + 1 ones to layer1 when odd, layer2 when even."""
     out = {}
     for name in ("int", "ids", "int-step"):
