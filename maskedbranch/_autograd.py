@@ -53,14 +53,14 @@ def _two_forms(cls):
 
 
 ZEROS_WHEN_COMPILED = 2
-"""A ``zeros`` setting for tied non-leaf inputs: undefined gradients in eager mode, zeros while
-compiled autograd (or AOTAutograd) traces the backward, which cannot add an undefined gradient
-to the other gradients of a tensor with several consumers."""
+"""A ``zeros`` setting for tied non-leaf inputs: undefined gradients, except zeros while compiled
+autograd traces the backward (it cannot add an undefined gradient to the other gradients of a
+tensor with several consumers)."""
 
 
 def _tied_grads(ctx, first: int, tied: Sequence[Tuple[torch.Size, torch.dtype, torch.device]]) -> List[Optional[Tensor]]:
     """The gradients of the tied tensors (inputs ``first``, ``first + 1``, ...)."""
-    if not ctx.zeros or (ctx.zeros == ZEROS_WHEN_COMPILED and not torch.compiler.is_compiling()):
+    if not ctx.zeros or (ctx.zeros == ZEROS_WHEN_COMPILED and not _compat.compiled_autograd_tracing()):
         return [None] * len(tied)
     needs = ctx.needs_input_grad
     return [

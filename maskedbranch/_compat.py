@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["functorch_active", "tracing", "active_ddp", "ddp_python_reducer"]
+__all__ = ["functorch_active", "tracing", "compiled_autograd_tracing", "active_ddp", "ddp_python_reducer"]
 
 _functorch_check = getattr(torch._C, "_are_functorch_transforms_active", None)
 
@@ -45,9 +45,23 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or functorch_active()
 
 
+
+def compiled_autograd_tracing() -> bool:
+    """True while compiled autograd traces a backward (a backward asks). The flag lives in
+    ``torch._dynamo.compiled_autograd``, which is loaded whenever compiled autograd is on; the
+    fallback, ``torch.compiler.is_compiling()``, is also true while torch.compile traces a
+    backward."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    if module is None:
+        return False
+    flag = getattr(module, "in_compiled_autograd_region", None)
+    if isinstance(flag, bool) and not _force_fallback["compiled_autograd"]:
+        return flag
+    return torch.compiler.is_compiling()
+
 _DDP = nn.parallel.DistributedDataParallel
 _HAS_ACTIVE_ATTR = hasattr(_DDP, "_active_ddp_module")
-_force_fallback = {"functorch": False, "ddp": False, "python_reducer": False}  # set by the tests of the fallbacks
+_force_fallback = {"functorch": False, "ddp": False, "python_reducer": False, "compiled_autograd": False}  # set by the tests of the fallbacks
 _PYTHON_REDUCER = ("python_reducer", "python_reducer_without_compiled_forward")
 
 

@@ -200,6 +200,9 @@ def _tied(table: Branches, live_mask: int, zeros: Optional[bool]) -> Tuple[Tenso
     return tuple(t for t in table.tied(live_mask) if t.requires_grad)
 
 
+_PYTHON_REDUCER_TORCH = "2.13"  # tested on 2.13 and 2.14.1; on 2.6 the compiled backward differs from eager
+
+
 def _aliases(table: Branches, x: Tensor, zeros: Optional[bool], where: str):
     """Under DDP's Python reducer (maskedbranch/_dead_grads.py) the branches run on aliases of
     ``x`` and of every branch parameter, made by one node (``_autograd.Alias``): each
@@ -215,6 +218,13 @@ def _aliases(table: Branches, x: Tensor, zeros: Optional[bool], where: str):
                 "must be an nn.Module, so that its parameters can be reached in its forward; got "
                 f"{type(branch).__name__} with parameters"
             )
+    if torch.__version__ < _PYTHON_REDUCER_TORCH:
+        raise RuntimeError(
+            f"{where}: DDP's Python reducer (torch._dynamo.config.optimize_ddp = 'python_reducer', used with "
+            f"compiled autograd) needs torch >= {_PYTHON_REDUCER_TORCH} with maskedbranch; with torch "
+            f"{torch.__version__} compiled autograd through it does not train as eager. Use DDP's default "
+            "reducer without compiled autograd, or a newer torch."
+        )
     params = _tied(table, 0, True)
     x_in, *views = _autograd.alias(x, params)
     return x_in, {id(p): v for p, v in zip(params, views)}, None

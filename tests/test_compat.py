@@ -134,3 +134,52 @@ def test_active_ddp_fallback_reports_none(monkeypatch):
     monkeypatch.setitem(_compat._force_fallback, "ddp", True)
     nn.Sequential(nn.Linear(D, D), Probe())(torch.randn(2, D))
     assert seen == [None] and _compat.active_ddp() is None
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["flag", "fallback"])
+def test_compiled_autograd_tracing(monkeypatch, fallback):
+    """False in eager backwards and true in a backward that compiled autograd traces, with the
+    private flag and with its fallback: a residual layer over a call that reaches no branch
+    (materialize_grads=False) gives x the eager gradient under compiled autograd."""
+    from torch._dynamo import compiled_autograd as ca
+
+    class NoneGrad(torch.autograd.Function):  # the probe: torch alone, an undefined input gradient
+        @staticmethod
+        def forward(ctx, x, p):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    try:
+        with ca._enable(torch.compile(backend="eager")):
+            NoneGrad.apply(torch.ones(2, requires_grad=True) * 2, nn.Parameter(torch.ones(2))).sum().backward()
+    except RuntimeError as e:
+        pytest.skip(f"torch {torch.__version__}'s compiled autograd fails on undefined input gradients ({e})")
+    monkeypatch.setitem(_compat._force_fallback, "compiled_autograd", fallback)
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(_compat.compiled_autograd_tracing())
+            return grad
+
+    torch.manual_seed(0)
+    routed = mb.MaskedBranch([nn.Linear(D, D) for _ in range(N)], materialize_grads=False)
+    grads = []
+    for compiled in (False, True):
+        torch.compiler.reset()
+        x = torch.randn(2, D, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        h = Probe.apply(x)
+        out = h + routed(h, -1)
+        with ca._enable(torch.compile(backend="eager")) if compiled else contextlib.nullcontext():
+            out.sum().backward()
+        grads.append(x.grad)
+    assert seen == [False, True]
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
