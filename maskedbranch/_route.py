@@ -386,7 +386,7 @@ def _check_agreement(live: Dict[int, Tensor], x, args, kwargs, signatures: Optio
 def _one_branch(table, x, k, args, kwargs, zeros, base, scale, signatures, where) -> Tensor:
     """The whole batch through branch k, on x itself, then the tie (a copy, when any dead
     parameter needs a gradient)."""
-    label = f"{where}[{k}]" if where == "branches" else where
+    label = f"{where}[{int(k)}]" if where == "branches" else where  # int(): dynamo may hand k over as a SymInt
     x_in, aliases, zeros = _aliases(table, x, zeros, where)
     y = check_output(_run(table, k, aliases, x_in, args, kwargs), label, x.shape[0])
     if signatures is not None:
