@@ -100,9 +100,13 @@ def check_same(cfg, fns, x, branch, gout, what: str) -> None:
 
     ref_name = next(iter(fns))
     ref = result(fns[ref_name])
+    # Relative to the largest reference value (at least 1): parameter gradients sum over every
+    # row, and float32 sums in another order differ by their magnitude times the rounding.
+    scale = max([1.0] + [float(t.abs().max()) for t in ref if t is not None and t.numel()])
     for k in ("torchvision", "hand skip", "ours"):
         if k in fns:  # the branch on a subset of rows rounds like on all of them, up to GEMM blocking
-            check(cfg, f"droppath, {what}: {k} == {ref_name} (output, grad x, grad params)", max_diff(ref, result(fns[k])), 1e-4)
+            check(cfg, f"droppath, {what}: {k} == {ref_name} (output, grad x, grad params; relative)",
+                  max_diff(ref, result(fns[k])) / scale, 1e-4)
 
 
 def sweep(cfg, t, clock) -> tuple:
