@@ -16,9 +16,12 @@ import contextlib
 import os
 import tempfile
 import time
+import traceback
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import maskedbranch as mb
@@ -73,6 +76,26 @@ def run_ranks(worker, world: int, timeout_s: float, what: str = "the job"):
                 if p.is_alive():
                     p.terminate()
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def run_scenarios(rank: int, world: int, init_file: str, out_dir: str, scenarios: dict, timeout_s: float = 90) -> None:
+    """The body of a rank job for :func:`run_ranks`: each ``scenarios[name](rank, group)`` on a
+    gloo group of its own, recorded as ("ok", value) or ("error", traceback) in
+    ``out_dir/rank{rank}.pt`` (read back with :func:`results_of`)."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+    results = {}
+    for name, fn in scenarios.items():
+        group = dist.new_group(backend="gloo")
+        try:
+            results[name] = ("ok", fn(rank, group))
+        except Exception:  # reported by the test that reads it
+            results[name] = ("error", traceback.format_exc())
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def results_of(ranks, name: str):

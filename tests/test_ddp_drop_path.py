@@ -15,9 +15,7 @@ reference replays the same draws), so on many steps a branch runs on some ranks 
 others, and on some steps on none.
 """
 import contextlib
-import os
-import traceback
-from datetime import timedelta
+import functools
 
 import pytest
 import torch
@@ -27,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import maskedbranch as mb
 
-from harness import ReferenceResidual, results_of, run_ranks, state_diff, training_state
+from harness import ReferenceResidual, results_of, run_ranks, run_scenarios, state_diff, training_state
 
 WORLD = 4
 STEPS = 6
@@ -135,20 +133,7 @@ CASES["batch-identical-draws"] = dict(mode="batch", identical=True)
 
 
 def _worker(rank, world, init_file, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
-    )
-    results = {}
-    for name, case in CASES.items():
-        group = dist.new_group(backend="gloo")
-        try:
-            results[name] = ("ok", train(rank, group, **case))
-        except Exception:  # reported by the test that reads it
-            results[name] = ("error", traceback.format_exc())
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    run_scenarios(rank, world, init_file, out_dir, {name: functools.partial(train, **case) for name, case in CASES.items()})
 
 
 @pytest.fixture(scope="module")

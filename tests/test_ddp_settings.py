@@ -12,9 +12,6 @@ under it is silently wrong (ranks pair different parameters), which is shown her
 routing modules give every branch parameter its gradient at one node, in branch order
 (maskedbranch/_route.py), and refuse ``materialize_grads=False`` there.
 """
-import os
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
@@ -24,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import maskedbranch as mb
 
-from harness import results_of, run_ranks, state_diff, training_state
+from harness import results_of, run_ranks, run_scenarios, state_diff, training_state
 
 WORLD = 2
 N = 3
@@ -197,20 +194,7 @@ SCENARIOS = {
 
 
 def _worker(rank, world, init_file, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
-    )
-    results = {}
-    for name, fn in SCENARIOS.items():
-        group = dist.new_group(backend="gloo")
-        try:
-            results[name] = ("ok", fn(rank, group))
-        except Exception:  # reported by the test that reads it
-            results[name] = ("error", traceback.format_exc())
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    run_scenarios(rank, world, init_file, out_dir, SCENARIOS, timeout_s=120)
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,6 @@ job: hand-written averaging without DDP (the default hook, default group), the e
 under DDP, and a parameter shared between a branch and the rest of the model.
 """
 import copy
-import os
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
@@ -20,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from maskedbranch import MaskedBranch, ResidualDropPath, reference, unused_grads, unused_grads_to_none
 
-from harness import results_of, run_ranks, state_diff, training_state
+from harness import results_of, run_ranks, run_scenarios, state_diff, training_state
 
 N = 3
 D = 6
@@ -422,20 +419,7 @@ CASES = {
 
 
 def _worker(rank, world, init_file, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
-    )
-    results = {}
-    for name, fn in CASES.items():
-        group = dist.new_group(backend="gloo")
-        try:
-            results[name] = ("ok", fn(rank, group))
-        except Exception:  # reported by the test that reads it
-            results[name] = ("error", traceback.format_exc())
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    run_scenarios(rank, world, init_file, out_dir, CASES)
 
 
 @pytest.fixture(scope="module")
