@@ -16,7 +16,7 @@ from torch import nn
 from torch.func import functional_call
 
 import maskedbranch as mb
-from harness import autograd_node_names
+from harness import autograd_node_names, needs_none_grads
 from maskedbranch import _compat
 
 B, D, N = 6, 4, 3
@@ -143,20 +143,7 @@ def test_compiled_autograd_tracing(monkeypatch, fallback):
     (materialize_grads=False) gives x the eager gradient under compiled autograd."""
     from torch._dynamo import compiled_autograd as ca
 
-    class NoneGrad(torch.autograd.Function):  # the probe: torch alone, an undefined input gradient
-        @staticmethod
-        def forward(ctx, x, p):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad, None
-
-    try:
-        with ca._enable(torch.compile(backend="eager")):
-            NoneGrad.apply(torch.ones(2, requires_grad=True) * 2, nn.Parameter(torch.ones(2))).sum().backward()
-    except RuntimeError as e:
-        pytest.skip(f"torch {torch.__version__}'s compiled autograd fails on undefined input gradients ({e})")
+    needs_none_grads()
     monkeypatch.setitem(_compat._force_fallback, "compiled_autograd", fallback)
     seen = []
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.func import functional_call
 
 import maskedbranch as mb
-from harness import assert_same_grads, autograd_node_names
+from harness import assert_same_grads, autograd_node_names, needs_none_grads
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
 
@@ -51,39 +51,12 @@ def _readback_under_grad():
     torch.func.grad(lambda t: (torch.nonzero(g).tolist(), t.sum())[1])(torch.ones(2))
 
 
-class _NoneGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, p):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-def _none_grad_under_compiled_autograd():
-    """A Python Function that gives an input requiring grad an undefined gradient."""
-    p = nn.Parameter(torch.ones(2))
-    out = _NoneGrad.apply(torch.ones(2, requires_grad=True) * 2, p)
-    with compiled_autograd("eager", []):
-        out.sum().backward()
-
-
 READBACK = _probe(_readback_under_grad)
 needs_readback = pytest.mark.skipif(
     bool(READBACK),
     reason=f"torch {torch.__version__} cannot read a tensor made inside a torch.func transform back to "
     f"the host ({READBACK}); routing by a tensor gate and drawing a residual mask need it",
 )
-
-
-def needs_none_grads():
-    error = _probe(_none_grad_under_compiled_autograd)
-    if error:
-        pytest.skip(
-            f"torch {torch.__version__}'s compiled autograd fails on a plain autograd.Function that "
-            f"returns None for an input requiring grad ({error})"
-        )
 
 
 # ----------------------------------------------------------------------------------------------
