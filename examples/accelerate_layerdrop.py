@@ -21,6 +21,8 @@ from transformers import BartConfig, BartForConditionalGeneration
 
 from maskedbranch.integrations import transformers as mb_hf
 
+from _records import same  # examples/_records.py
+
 STEPS = 4
 
 
@@ -68,14 +70,6 @@ def train(patched):
         h.remove()
     params = {n: p.detach().cpu().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
     return accelerator, {"grads": grads, "params": params, "ran": ran}
-
-
-def same(a, b):
-    """Equal gradients (a missing one counts as zeros) in every step, and equal parameters."""
-    def z(g, p):
-        return torch.zeros_like(p) if g is None else g
-    return all(torch.equal(z(x[n], a["params"][n]), z(y[n], a["params"][n])) for x, y in zip(a["grads"], b["grads"]) for n in x) \
-        and all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
 
 
 def main():

@@ -23,6 +23,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, Wav2Vec2Co
 
 from maskedbranch.integrations import transformers as mb_hf
 
+from _records import same  # examples/_records.py
+
 STEPS = 4
 
 
@@ -79,14 +81,6 @@ def train(patched, workdir):
     params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     grads = [{n: None if g is None else g.cpu() for n, g in s.items()} for s in record.grads]
     return {"grads": grads, "params": params, "ran": record.ran}
-
-
-def same(a, b):
-    """Equal gradients (a missing one counts as zeros) in every step, and equal parameters."""
-    def z(g, p):
-        return torch.zeros_like(p) if g is None else g
-    return all(torch.equal(z(x[n], a["params"][n]), z(y[n], a["params"][n])) for x, y in zip(a["grads"], b["grads"]) for n in x) \
-        and all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
 
 
 def main():

@@ -22,6 +22,8 @@ from torch import nn
 
 from maskedbranch import MaskedBranch
 
+from _records import same  # examples/_records.py
+
 STEPS = 6
 EXPERTS = 3
 
@@ -71,14 +73,6 @@ def train(masked):
     trainer.fit(model, data())
     params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return trainer, {"grads": model.grads, "params": params}
-
-
-def same(a, b):
-    """Equal gradients (a missing one counts as zeros) in every step, and equal parameters."""
-    def z(g, p):
-        return torch.zeros_like(p) if g is None else g
-    return all(torch.equal(z(x[n], a["params"][n]), z(y[n], a["params"][n])) for x, y in zip(a["grads"], b["grads"]) for n in x) \
-        and all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
 
 
 def main():
