@@ -229,6 +229,7 @@ def _rank_main(rank, world, fn, job, port, path):
         if rank == 0:
             with open(path, "w") as f:
                 json.dump(result, f)
+        dist.barrier()  # no collective in flight when the group goes away
     finally:
         dist.destroy_process_group()
 

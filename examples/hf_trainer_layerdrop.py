@@ -102,6 +102,7 @@ def main():
         print(f"gradients and parameters equal on all {len(everyone)} ranks: {all(same(everyone[0], e) for e in everyone)}")
         if args.compare:
             print(f"equal to HF's model with find_unused_parameters=True: {same(records['reference'], records['patched'])}")
+    dist.barrier()  # no collective in flight when the group goes away
     dist.destroy_process_group()
 
 

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from maskedbranch import MaskedBranch, _compat, masked_branch, reference
 
-from harness import results_of, run_ranks, state_diff, training_state
+from harness import leave_job, results_of, run_ranks, state_diff, training_state
 
 WORLD = 4
 N = 3  # branches per routed layer
@@ -264,8 +264,7 @@ def _worker(rank, world, init_file, out_dir):
             results[name] = ("error", traceback.format_exc())
         results[name + ".seconds"] = time.perf_counter() - t0
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_job()
 
 
 @pytest.fixture(scope="module")

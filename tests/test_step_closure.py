@@ -7,12 +7,8 @@ weight decay (a pruned gradient is skipped; a zero one would decay the weights):
 * two gloo ranks routing to different experts, the default (automatic) pruning under
   DDP(find_unused_parameters=False), against if/else under find_unused_parameters=True.
 """
-import os
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import harness
@@ -73,19 +69,18 @@ def test_explicit_handle_prunes_after_the_closure(closure):
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
 
 
+def _scenario(masked, fup):
+    def run(rank, group):
+        gates = [(s + rank) % N for s in range(4)]  # the ranks route differently; one expert idle each step
+        wrap = lambda m: nn.parallel.DistributedDataParallel(m, process_group=group, find_unused_parameters=fup)  # noqa: E731
+        return train(Net(masked), gates, closure=True, wrap=wrap)[0]
+
+    return run
+
+
 def _worker(rank, world, init_file, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    gates = [(s + rank) % N for s in range(4)]  # the ranks route differently; one expert idle each step
-    results = {}
-    for name, masked, fup in (("ifelse", False, True), ("masked", True, False)):
-        try:
-            wrap = lambda m, fup=fup: nn.parallel.DistributedDataParallel(m, find_unused_parameters=fup)  # noqa: E731
-            results[name] = ("ok", train(Net(masked), gates, closure=True, wrap=wrap)[0])
-        except Exception:  # noqa: BLE001 - reported to the test
-            results[name] = ("error", traceback.format_exc())
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    scenarios = {"ifelse": _scenario(masked=False, fup=True), "masked": _scenario(masked=True, fup=False)}
+    harness.run_scenarios(rank, world, init_file, out_dir, scenarios)
 
 
 @pytest.mark.distributed

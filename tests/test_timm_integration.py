@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import results_of, run_ranks
+from harness import leave_job, results_of, run_ranks
 from timm_models import (  # skips the module when timm is not usable
     BATCH,
     DROP,
@@ -216,8 +216,7 @@ def _ddp_worker(rank, world, init_file, out_dir):
     except Exception:  # noqa: BLE001 - reported by the test
         result = ("error", traceback.format_exc())
     torch.save({"timm": result}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_job()
 
 
 @pytest.mark.distributed
