@@ -32,7 +32,7 @@ should say so with ``materialize_grads=False``: undefined gradients as with if/e
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,15 +65,18 @@ class Usage:
     sees the same value, 0, at the start of every step); ``stamps[i]``, the clock of the step
     that last found unit i in ``bits``, which each optimizer compares with the clock of its own
     previous step (several optimizers may hold parts of one branch, Muon and AdamW say). Also
-    the DDP model around the module (its root and process group) once one was seen."""
+    the DDP model around the module (its root and process group) once one was seen, and
+    ``held``: the last forward's bits when they count only if that forward's output is used
+    (see :class:`Held`)."""
 
-    __slots__ = ("bits", "stamps", "root", "group")
+    __slots__ = ("bits", "stamps", "root", "group", "held")
 
     def __init__(self) -> None:
         self.bits = 0
         self.stamps: List[int] = []
         self.root: Any = None  # weakref to the DDP-wrapped model
         self.group: Any = None
+        self.held: Optional[Held] = None
 
     def record(self, live_mask: int) -> None:
         """Called by every call with autograd on, whether or not a branch ran (so that every
@@ -85,8 +88,21 @@ class Usage:
                 self.root = weakref.ref(ddp.module)
                 self.group = ddp.process_group
 
+    def hold(self, bits: int) -> "Held":
+        """Keep one forward's ``bits`` back (the previous forward's count now, unless made
+        conditional)."""
+        self.settle()
+        self.held = Held(self, bits)
+        return self.held
+
+    def settle(self) -> None:
+        held, self.held = self.held, None
+        if held is not None and not held.conditional:
+            self.bits |= held.bits
+
     def harvest(self, now: int) -> None:
         """At a step: stamp the units in ``bits`` with the clock, and clear ``bits``."""
+        self.settle()
         bits, stamps, i = self.bits, self.stamps, 0
         self.bits = 0
         while bits:
@@ -99,6 +115,25 @@ class Usage:
 
     def ran_since(self, i: int, since: int) -> bool:
         return i < len(self.stamps) and self.stamps[i] >= since
+
+
+class Held:
+    """The units one forward of a module ran, which count as used only if that forward's output
+    is. They count at the module's next forward or at the step, unless a consumer that did not
+    use the output (a decoder whose layers were all dropped, which only tied the encoder's
+    output in) made them ``conditional``: then they count when a gradient reaches the output
+    from elsewhere (:meth:`on_grad`, a tensor hook)."""
+
+    __slots__ = ("usage", "bits", "conditional")
+
+    def __init__(self, usage: Usage, bits: int) -> None:
+        self.usage, self.bits, self.conditional = usage, bits, False
+
+    def on_grad(self, grad: Optional[Tensor], tie_gave_zeros: bool) -> None:
+        """The tie's own share is undefined (DDP), or zeros (FSDP2, static_graph): then only a
+        nonzero gradient shows another consumer (a host sync, in this rare case only)."""
+        if grad is not None and (not tie_gave_zeros or bool(grad.any())):
+            self.usage.bits |= self.bits
 
 
 class _Functional:

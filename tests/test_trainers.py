@@ -68,12 +68,6 @@ def test_hf_trainer_with_ddp_find_unused_parameters_false(tmp_path):
     assert "equal on all 2 ranks: True" in out and "equal to HF's model with find_unused_parameters=True: True" in out
 
 
-@pytest.mark.skipif(
-    torch.__version__ < "2.13",
-    reason="open bug: with torch 2.6's draws a rank drops every decoder layer of the BART in this example, so "
-    "its encoder output is unused there and the encoder's parameters never reach DDP's hooks; the job aborts "
-    "in gloo (collective mismatch). torch >= 2.13 draws other layers here",
-)
 def test_accelerate_with_find_unused_parameters_false(tmp_path):
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")

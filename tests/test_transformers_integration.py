@@ -28,6 +28,7 @@ import harness
 
 transformers = pytest.importorskip("transformers", minversion="5")
 import hf_tiny  # noqa: E402 - needs transformers
+from maskedbranch.integrations import _layerdrop  # noqa: E402
 from maskedbranch.integrations import transformers as mb_hf  # noqa: E402
 
 @pytest.fixture(autouse=True, scope="module")
@@ -222,7 +223,7 @@ def test_materialize_grads_and_deepspeed_zero3(monkeypatch):
     assert missing and missing == {n for n, g in b[1].items() if not g.any()} - set(a[1])
     for n, g in a[1].items():
         assert torch.equal(b[1][n], g), n
-    monkeypatch.setattr(mb_hf, "is_deepspeed_zero3_enabled", lambda: True)
+    monkeypatch.setattr(_layerdrop, "is_deepspeed_zero3_enabled", lambda: True)
     with pytest.raises(RuntimeError, match="BartEncoder.layers: LayerDrop under DeepSpeed ZeRO-3"):
         step(model, inputs, 0)
     assert model.config.encoder_layerdrop == hf_tiny.P and model.encoder.layerdrop == hf_tiny.P

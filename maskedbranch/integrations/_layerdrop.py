@@ -1,0 +1,378 @@
+"""The machinery behind maskedbranch.integrations.transformers.patch: the layer list that draws
+LayerDrop as HF does (:class:`LayerDropList`), the stand-in for a dropped layer, and the owner's
+hooks that hold HF's own probability at a neutral value and record which units ran for the
+step-time pruning (maskedbranch/unused_grads.py).
+
+Units of an owner, for the pruning: each layer, and the owner's other parameters. A forward's
+units count as used at the owner's next forward or the step, unless a consumer did not use the
+owner's output: a decoder that dropped every layer only tied the encoder's output in (so that
+DDP and FSDP2 see its parameters), and the encoder's units then count only if that output gets
+a gradient from elsewhere, as the graph walk of find_unused_parameters=True decides.
+"""
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+from .. import _autograd, _dead_grads, _structure, unused_grads
+from ._transformers_rules import Rule
+
+# ----------------------------------------------------------------------------------------------
+# HF's own probability reads a neutral value while an owner runs. Owners that share a config
+# (or threads running replicas of one model, as nn.DataParallel does) count their holds, so the
+# value is restored once, by the last one out.
+
+_lock = threading.Lock()
+_held: Dict[Tuple[int, str], List[Any]] = {}  # (id(holder), name) -> [holds, real value]
+
+
+def _holder(owner: nn.Module, source: str) -> Tuple[Any, str]:
+    if source.startswith("config."):
+        return owner.config, source[len("config."):]
+    return owner, source
+
+
+def _real(obj: Any, name: str) -> Any:
+    with _lock:
+        entry = _held.get((id(obj), name))
+        return entry[1] if entry is not None else getattr(obj, name)
+
+
+def _hold(obj: Any, name: str, neutral: float) -> None:
+    with _lock:
+        entry = _held.get((id(obj), name))
+        if entry is None:
+            entry = _held[(id(obj), name)] = [0, getattr(obj, name)]
+            setattr(obj, name, neutral)
+        entry[0] += 1
+
+
+def _release(obj: Any, name: str) -> None:
+    with _lock:
+        entry = _held[(id(obj), name)]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del _held[(id(obj), name)]
+            setattr(obj, name, entry[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# The draws, as HF makes them.
+
+
+def _peek(get, set_, draw):
+    """The number ``draw()`` gives next, leaving the generator as it was: HF draws it itself."""
+    state = get()
+    value = draw()
+    set_(state)
+    return value
+
+
+def _dropped(rule: Rule, p: float) -> bool:
+    kind = rule.draw
+    if kind == "torch":
+        u = torch.rand([])
+    elif kind == "torch-always":
+        u = _peek(torch.get_rng_state, torch.set_rng_state, lambda: torch.rand([]))
+    elif kind == "numpy-random":
+        u = _peek(np.random.get_state, np.random.set_state, np.random.random)
+    elif kind == "numpy-uniform":
+        u = _peek(np.random.get_state, np.random.set_state, lambda: np.random.uniform(0, 1))
+    else:  # python-uniform
+        u = _peek(random.getstate, random.setstate, lambda: random.uniform(0, 1))
+    return bool(u <= p) if rule.inclusive else bool(u < p)
+
+
+def _fsdp_module_type() -> Optional[type]:
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # only if the user imported FSDP
+    t = getattr(fsdp, "FSDPModule", None)
+    return t if isinstance(t, type) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer list.
+
+
+class LayerDropList(_structure.InvalidatesOnApply, nn.ModuleList):
+    """The ``layers`` of a patched owner: the same layer objects (``state_dict`` keys
+    ``layers.0.weight``, indexing and ``len`` as before). Outside the owner's training forward,
+    iterating yields the layers; inside, it draws LayerDrop as HF does and yields, for each
+    dropped layer, a stand-in that does not run it."""
+
+    def __init__(self, layers: Sequence[nn.Module] = (), rule: Rule = Rule(), where: str = "layers",
+                 materialize_grads: Optional[bool] = None):
+        super().__init__(layers)
+        self.rule = rule
+        self.where = where
+        self.materialize_grads = materialize_grads
+        self._p: Optional[float] = None  # the probability while the owner's training forward runs
+        self._tables: Optional[List[_structure.Branches]] = None
+        self._usage = unused_grads.Usage()
+        self._reset_forward_state()
+        unused_grads.register(self)
+
+    def _reset_forward_state(self) -> None:
+        self._owner: Optional[weakref.ref] = None  # set by the owner's pre-hook (copies re-learn it)
+        self._fwd: Optional[int] = None  # the units the current forward ran (None: not recorded)
+        self._extras: List[Tuple[Tensor, bool]] = []  # other inputs that dropped layers tied in, with zeros?
+
+    # nn.ModuleList edits that register nothing must still refresh the cached structure.
+    def __delitem__(self, idx) -> None:
+        super().__delitem__(idx)
+        _structure.invalidate()
+
+    def insert(self, index: int, module: nn.Module) -> None:
+        super().insert(index, module)
+        _structure.invalidate()
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):  # a plain list of the layers, as nn.ModuleList gives
+            return nn.ModuleList(list(self._modules.values())[idx])
+        return super().__getitem__(idx)
+
+    # Units: each layer, then the owner's other parameters (embeddings, norms: the owner's output
+    # may go unused, see _leave), which nested LayerDrop owners keep as units of their own.
+    def _owner_module(self) -> Optional[nn.Module]:
+        return None if self._owner is None else self._owner()
+
+    def _unit_modules(self) -> List[nn.Module]:
+        owner = self._owner_module()
+        return list(self._modules.values()) + ([] if owner is None else [owner])
+
+    def _units(self) -> List[Sequence[Tensor]]:
+        units = [tuple(m.parameters()) for m in self._modules.values()]
+        owner = self._owner_module()
+        if owner is not None:
+            units.append(tuple(_own_parameters(owner)))
+        return units
+
+    def _table(self, i: int) -> _structure.Branches:
+        tables = self._tables
+        if tables is None or not _structure.current(tables[0]):
+            layers = list(self._modules.values())
+            fsdp = _fsdp_module_type()
+            # A layer that is an FSDP2 unit is entered even when dropped (see _Dropped); its
+            # inner modules are checked there, once its parameters are gathered.
+            _structure.check_skippable([m for m in layers if fsdp is None or not isinstance(m, fsdp)], self.where)
+            tables = self._tables = [_structure.Branches([m], _structure.version()) for m in layers]
+        return tables[i]
+
+    def __iter__(self):
+        if self._p is None:
+            return iter(self._modules.values())
+        return self._draw(self._p)
+
+    def _draw(self, p: float):
+        rule = self.rule
+        zeros = _dead_grads.tie_policy(self.materialize_grads, self.where)
+        for i, layer in enumerate(list(self._modules.values())):
+            if i >= rule.first and _dropped(rule, p):
+                yield _Dropped(self, i, layer, zeros)
+            else:
+                if self._fwd is not None:
+                    self._fwd |= 1 << i
+                yield layer
+
+    def extra_repr(self) -> str:
+        return f"LayerDrop of {self.where}" + ("" if self.materialize_grads is None else f", materialize_grads={self.materialize_grads}")
+
+    def __setstate__(self, state) -> None:
+        # copy.deepcopy and pickle: caches and usage start fresh, and the copy is registered
+        super().__setstate__(state)
+        self._p, self._tables = None, None
+        self._usage = unused_grads.Usage()
+        self._reset_forward_state()
+        unused_grads.register(self)
+
+
+def _own_parameters(owner: nn.Module) -> List[Tensor]:
+    """The owner's parameters outside its layers and outside nested LayerDrop owners."""
+    out, stack = [], [owner]
+    while stack:
+        m = stack.pop()
+        if m is not owner and (isinstance(m, LayerDropList) or isinstance(getattr(m, "layers", None), LayerDropList)):
+            continue
+        out.extend(m.parameters(recurse=False))
+        stack.extend(m.children())
+    return list({id(p): p for p in out}.values())
+
+
+def _dropped_output(rule: Rule, x: Tensor, kwargs: Dict[str, Any]) -> Any:
+    """What HF's loop has after a dropped layer: the hidden states it had before."""
+    if rule.out == "position_bias":
+        return x, kwargs.get("position_bias")
+    if rule.out == "trend":
+        return x, 0  # the loop adds it to its trend
+    return (x,) + (None,) * (rule.out - 1) if rule.out else x
+
+
+class _Dropped:
+    """Stands in for a dropped layer in HF's loop: called like the layer, it returns the hidden
+    states it is given (with the layer's parameters tied in, when the job needs them to get a
+    gradient) without running the layer."""
+
+    __slots__ = ("owner", "index", "layer", "zeros")
+
+    def __init__(self, owner: LayerDropList, index: int, layer: nn.Module, zeros: Optional[bool]):
+        self.owner, self.index, self.layer, self.zeros = owner, index, layer, zeros
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self.owner
+        rule = owner.rule
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{owner.where}[{self.index}]: expected the hidden states as the first argument, got {type(x).__name__}")
+        if rule.attentions and kwargs.get("output_attentions"):
+            raise ValueError(
+                f"{owner.where}: output_attentions=True in training. HF's loop leaves a dropped layer out "
+                "of the attention outputs, which the patched loop cannot do; ask for attentions in eval "
+                "mode, or unpatch the model"
+            )
+        fsdp = _fsdp_module_type()
+        if fsdp is not None and isinstance(self.layer, fsdp):
+            return self._through_unit(args, kwargs)
+        table = owner._table(self.index)
+        if self.zeros is not None and torch.is_grad_enabled():
+            tied = [p for p in table.tied(0) if p.requires_grad]
+            if tied:
+                x = _autograd.tie(x, tied, self.zeros)
+            x = _tie_other_inputs(owner, x, args, kwargs, True if self.zeros else _autograd.ZEROS_WHEN_COMPILED)
+        return _dropped_output(rule, x, kwargs)
+
+    def _through_unit(self, args, kwargs) -> Any:
+        """A dropped layer that is its own FSDP2 unit: every rank must gather and reduce its
+        parameters, so the unit's hooks run around a forward that only ties them in (with zero
+        gradients, which FSDP2 reduces). It takes the hidden states from its own arguments: the
+        unit's hooks hand it tensors that lead its backward to the reduction."""
+        layer, owner = self.layer, self.owner
+
+        def forward(*args, **kwargs):
+            _structure.check_skippable(list(layer.children()), f"{owner.where}[{self.index}]")
+            x = args[0] if args else kwargs["hidden_states"]
+            tied = [p for p in layer.parameters() if p.requires_grad]
+            if torch.is_grad_enabled():
+                x = _autograd.tie(x, tied, True) if tied else x
+                x = _tie_other_inputs(owner, x, args, kwargs, True)
+            return _dropped_output(owner.rule, x, kwargs)
+
+        layer.forward = forward  # an instance attribute: nn.Module.__call__ runs it inside the hooks
+        try:
+            return nn.Module.__call__(layer, *args, **kwargs)
+        finally:
+            del layer.forward
+
+
+def _tie_other_inputs(owner: LayerDropList, x: Tensor, args: tuple, kwargs: Dict[str, Any], zeros) -> Tensor:
+    """Tie the dropped layer's other inputs that need a gradient (a decoder's encoder output)
+    into ``x``: a rank that drops every layer of a decoder would otherwise leave the encoder's
+    parameters out of the backward, and DDP or FSDP2 waiting for them. They are noted for the
+    owner's post-hook (_leave)."""
+    if not _dead_grads.distributed():
+        return x  # one process: nothing waits for the encoder's parameters
+    given = args[0] if args else kwargs.get("hidden_states")
+    others = [t for t in (*args[1:], *kwargs.values()) if isinstance(t, Tensor) and t is not given and t.requires_grad]
+    if not others:
+        return x
+    owner._extras.extend((t, zeros is True) for t in others)
+    return _autograd.tie(x, others, zeros)
+
+
+# Each owner's output (its first tensor), while alive: id -> (weakref, the units its forward ran).
+_produced: Dict[int, Tuple[weakref.ref, unused_grads.Held]] = {}
+
+
+def _first_tensor(output: Any) -> Optional[Tensor]:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) or hasattr(output, "to_tuple"):
+        first = output[0] if len(output) else None
+        return first if isinstance(first, Tensor) else None
+    return None
+
+
+def _note_output(t: Tensor, held: unused_grads.Held) -> None:
+    key = id(t)
+
+    def forget(ref, key=key):
+        if _produced.get(key, (None,))[0] is ref:
+            del _produced[key]
+
+    _produced[key] = (weakref.ref(t, forget), held)
+
+
+def _make_conditional(extras: List[Tuple[Tensor, bool]]) -> None:
+    """A forward that dropped every layer used its other inputs only through the tie: the units
+    of the owner that produced one (an encoder) count only if its output gets a gradient from
+    elsewhere, as with if/else and find_unused_parameters=True."""
+    for t, zeros in {id(t): (t, z) for t, z in extras}.values():
+        entry = _produced.get(id(t))
+        if entry is not None and entry[0]() is t:
+            held = entry[1]
+            held.conditional = True
+            t.register_hook(lambda grad, held=held, zeros=zeros: held.on_grad(grad, zeros))
+
+
+# ----------------------------------------------------------------------------------------------
+# The owner's hooks: module-level functions (copies and pickles of the model keep them), bound to
+# the name of the owner's layer list.
+
+
+def _enter(owner: nn.Module, args: Any) -> None:
+    layers = getattr(owner, "layers", None)
+    if not isinstance(layers, LayerDropList) or layers._p is not None:
+        return
+    if layers._owner_module() is not owner:
+        layers._owner = weakref.ref(owner)
+        _structure.invalidate()  # the owner's parameters became a unit (cached layouts)
+    n = len(layers._modules)
+    # What the forward runs: the owner's own parameters (unit n), and every layer unless it draws.
+    layers._fwd = (1 << n) | ((1 << n) - 1) if torch.is_grad_enabled() else None
+    layers._extras = []
+    if layers._fwd is not None:
+        layers._usage.record(0)  # notes the DDP model around
+    if not owner.training:
+        return
+    obj, name = _holder(owner, layers.rule.source)
+    p = float(_real(obj, name))
+    if p <= 0.0:
+        return
+    layers._fwd = None if layers._fwd is None else 1 << n
+    if is_deepspeed_zero3_enabled():
+        raise RuntimeError(
+            f"{layers.where}: LayerDrop under DeepSpeed ZeRO-3, which gathers each layer's parameters in "
+            "the layer's own forward: a layer dropped on one rank would leave the others waiting. HF runs "
+            "every layer there; unpatch the model (maskedbranch.integrations.transformers.unpatch) to do so"
+        )
+    _hold(obj, name, layers.rule.neutral)
+    layers._p = p
+
+
+def _leave(owner: nn.Module, args: Any, output: Any) -> None:
+    layers = getattr(owner, "layers", None)
+    if not isinstance(layers, LayerDropList):
+        return
+    if layers._p is not None:
+        layers._p = None
+        _release(*_holder(owner, layers.rule.source))
+    fwd, extras = layers._fwd, layers._extras
+    layers._fwd, layers._extras = None, []
+    if fwd is None:
+        return
+    n = len(layers._modules)
+    if extras and not fwd & ((1 << n) - 1):
+        _make_conditional(extras)
+    held = layers._usage.hold(fwd)
+    first = _first_tensor(output)
+    if first is not None and first.requires_grad:
+        _note_output(first, held)
+
+
+_HOOKED = "_maskedbranch_layerdrop_hooks"  # set on an owner once its hooks are registered
