@@ -68,7 +68,7 @@ FAMILIES: Dict[str, Tuple[str, dict, int]] = {
     "tiny_vit": ("tiny_vit_5m_224", {}, 224),
     "pvt_v2": ("pvt_v2_b1", {}, 112),
     "beit": ("beit_base_patch16_224", dict(img_size=112), 112),
-    "mvitv2": ("mvitv2_tiny", dict(img_size=112), 112),
+    "mvitv2": ("mvitv2_tiny", {}, 224),  # timm's own mvitv2 fails at img_size=112 (relative positions)
     "focalnet": ("focalnet_tiny_srf", {}, 112),
     "fastvit": ("fastvit_t8", {}, 112),
     "resnest": ("resnest14d", {}, 112),  # refused: its drop path drops the block input
