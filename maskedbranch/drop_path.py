@@ -23,15 +23,13 @@ timm would draw from the CUDA one). ``generator=`` (a CPU ``torch.Generator``) o
 """
 from __future__ import annotations
 
-import math
 import numbers
-import struct
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from . import _compat, _dead_grads, _route, _structure, unused_grads
+from . import _compat, _dead_grads, _draws, _route, _structure, unused_grads
 from ._args import check_per_row_devices
 
 __all__ = ["drop_path", "DropPath", "drop_add_residual", "ResidualDropPath"]
@@ -243,7 +241,7 @@ def _residual(
     if args or kwargs:  # before the draw: a refused call leaves the generator where it was
         check_per_row_devices(args, kwargs, x)
     keep_prob = 1.0 - float(drop_prob)
-    host = _host_routing_outside_graphs if torch.compiler.is_compiling() else _host_routing
+    host = _draws.host_routing_outside_graphs if torch.compiler.is_compiling() else _draws.host_routing
     gate, scale = host(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype, generator)
     zeros = _dead_grads.tie_policy(materialize, where)
     out, live = _route.route(table, x, gate, args, kwargs, zeros=zeros, base=x, scale=scale, where="branch")
@@ -403,68 +401,3 @@ class _ScriptableResidual(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return x + self.drop(self.branch(x))
-
-
-# ----------------------------------------------------------------------------------------------
-# Host-side draws and the factor of kept rows.
-
-
-def _draw(n: int, keep_prob: float, generator: Optional[torch.Generator]) -> Tensor:
-    """n Bernoulli(keep_prob) draws on the host as a float32 0/1 tensor. Same stream as timm's
-    and torchvision's ``empty(...).bernoulli_(keep_prob)`` on a CPU tensor with the same seed."""
-    return torch.empty(n, dtype=torch.float32).bernoulli_(keep_prob, generator=generator)
-
-
-def _host_routing(
-    mode: str, batch: int, keep_prob: float, scale_by_keep: bool, dtype: torch.dtype, generator: Optional[torch.Generator]
-) -> Tuple[Any, float]:
-    """The routing gate of one call (0: the branch runs, -1: it does not; for the batch, or one
-    per row) and the factor of kept rows."""
-    scale = _keep_scale(keep_prob, scale_by_keep, dtype)
-    if mode == "batch":
-        return (0 if bool(_draw(1, keep_prob, generator)[0]) else -1), scale
-    return _draw(batch, keep_prob, generator).to(torch.int64).sub_(1), scale  # 0 kept, -1 dropped
-
-
-# Under torch.compile this runs eagerly, one graph break before any traced op. Traced, the draw
-# would form a graph of its own ahead of the plan's data-dependent break (two breaks per call),
-# inductor would draw from its own random stream instead of the documented one, and the scale's
-# float arithmetic would need assume_constant_result, which crashes torch 2.6's Dynamo for a
-# float result ("'OutputGraph' object has no attribute 'distributed_state'"). Eager mode calls
-# _host_routing directly (the disable wrapper costs about 2 us a call).
-_host_routing_outside_graphs = torch.compiler.disable(_host_routing)
-
-
-def _keep_scale(keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> float:
-    """The factor of kept rows, rounded to ``dtype`` as timm and torchvision round it (they
-    divide a mask of ``dtype`` by keep_prob), so that results match theirs bit for bit."""
-    if not scale_by_keep or keep_prob == 0.0:
-        return 1.0
-    return _rounded_inverse(keep_prob, dtype)
-
-
-def _to_float32(v: float) -> float:
-    return struct.unpack("f", struct.pack("f", v))[0]
-
-
-def _rounded_inverse(keep_prob: float, dtype: torch.dtype) -> float:
-    """``torch.ones((), dtype=dtype).div_(keep_prob).item()`` in plain Python (no tensor, no
-    ``.item()``, no device sync). float32, float16 and bfloat16 tensors divide in
-    float32 by ``float32(keep_prob)``; the float32 quotient is then rounded to the dtype. The
-    quotient of two float32 numbers computed in float64 and rounded to float32 is the correctly
-    rounded float32 quotient (float64 has more than 2 * 24 + 2 bits), so this is exact."""
-    if dtype == torch.float64:
-        return 1.0 / keep_prob
-    q = _to_float32(1.0 / _to_float32(keep_prob))
-    if dtype == torch.float16:  # from float32, as torch rounds (not from the exact quotient)
-        try:
-            return struct.unpack("e", struct.pack("e", q))[0]
-        except OverflowError:  # beyond float16's range
-            return math.inf
-    if dtype == torch.bfloat16:  # round float32 to nearest even on the upper 16 bits
-        bits = struct.unpack("I", struct.pack("f", q))[0]
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return struct.unpack("f", struct.pack("I", bits & 0xFFFFFFFF))[0]
-    if dtype == torch.float32:
-        return q
-    return torch.ones((), dtype=dtype).div_(keep_prob).item()  # other dtypes: ask torch

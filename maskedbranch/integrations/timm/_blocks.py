@@ -19,7 +19,8 @@ from torch import Tensor, fx, nn
 
 from ... import _autograd, _dead_grads, _route, _structure
 from ...drop_path import DropPath as _MaskedDropPath
-from ...drop_path import _draw, _keep_scale, drop_add_residual
+from ..._draws import draw, keep_scale
+from ...drop_path import drop_add_residual
 from . import _graph, _trace
 
 try:
@@ -391,11 +392,11 @@ def _masked(x, branch, p, mode, scale_by_keep, generator, rest, params, material
     """``drop_path(branch(x, *rest))`` without a residual: the branch runs on the kept rows,
     the dropped rows are zeros (timm's values, and zero gradients for the parameters)."""
     keep = 1.0 - float(p)
-    scale = _keep_scale(keep, scale_by_keep, output[1])
+    scale = keep_scale(keep, scale_by_keep, output[1])
     if mode == "batch":
-        gate: Any = 0 if bool(_draw(1, keep, generator)[0]) else -1
+        gate: Any = 0 if bool(draw(1, keep, generator)[0]) else -1
     else:
-        gate = _draw(x.shape[0], keep, generator).to(torch.int64).sub_(1)
+        gate = draw(x.shape[0], keep, generator).to(torch.int64).sub_(1)
     zeros = _dead_grads.tie_policy(materialize, "maskedbranch.integrations.timm")
     if gate == -1 if isinstance(gate, int) else not bool((gate >= 0).any()):
         out = torch.zeros((x.shape[0], *output[0]), dtype=output[1], device=x.device)
