@@ -342,15 +342,26 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
             raise TypeError(f"materialize_grads: expected None (automatic), True or False, got {type(materialize_grads).__name__}")
         self.materialize_grads = materialize_grads
         self._cache: Optional[_structure.Branches] = None
+        self._checked_branch = _Checked(branch)
         self._usage = unused_grads.Usage()
         unused_grads.register(self)
 
+    def _checked(self) -> _Checked:
+        """The branch with its output check: one object while the branch stays, since compiled
+        frames guard on its identity (a new one per call recompiled whenever its address changed)."""
+        checked = self._checked_branch
+        if checked.branch is not self.branch:
+            checked = _Checked(self.branch)
+            if not torch.compiler.is_compiling():
+                self._checked_branch = checked
+        return checked
+
     def _table(self) -> _structure.Branches:
         if _compat.tracing():  # built afresh (MaskedBranch._branches)
-            return _structure.Branches([_Checked(self.branch)], params=[tuple(self.branch.parameters())])
+            return _structure.Branches([self._checked()], params=[tuple(self.branch.parameters())])
         cache = self._cache
         if not _structure.current(cache):
-            cache = _structure.Branches([_Checked(self.branch)], _structure.version(), [tuple(self.branch.parameters())])
+            cache = _structure.Branches([self._checked()], _structure.version(), [tuple(self.branch.parameters())])
             if not torch.compiler.is_compiling():  # torch.export (strict) refuses module mutation
                 self._cache = cache
         return cache
@@ -384,6 +395,7 @@ class ResidualDropPath(_structure.InvalidatesOnApply, nn.Module):
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         self._cache = None
+        self._checked_branch = _Checked(self.branch)  # also for modules pickled without it
         self._usage = unused_grads.Usage()
         unused_grads.register(self)
 
