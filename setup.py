@@ -58,11 +58,21 @@ def torch_nvidia_includes():
     return [d for d in dict.fromkeys(found) if os.path.isdir(d)]
 
 
+def openmp_flags():
+    """ATen's parallel_for is a header template. Under torch's OpenMP backend (Linux and Windows
+    wheels) it runs in parallel only in code compiled with OpenMP; without the flag every CPU
+    kernel runs on one thread. Nothing is linked: the runtime is the one torch already loaded."""
+    info = torch.__config__.parallel_info()
+    if sys.platform == "darwin" or "backend: OpenMP" not in info or "OpenMP not found" in info:
+        return []
+    return ["/openmp"] if sys.platform == "win32" else ["-fopenmp"]
+
+
 def extension():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     # No -std flag: cpp_extension adds the standard the installed torch needs (C++17 up to
     # torch 2.13, C++20 from 2.14).
-    cxx_flags = ["-O3"]
+    cxx_flags = ["-O3"] + openmp_flags()
     cuda_home = find_cuda_home()
     if not want_cuda(cuda_home):
         print("maskedbranch: building CPU kernels only (no CUDA build of torch or no nvcc found)")

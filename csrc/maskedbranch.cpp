@@ -14,8 +14,11 @@
 // branches included: their pointer table is written by kernels, not copied from host memory),
 // so they can be captured with a plan made before capture. `plan` with a GPU gate reads the
 // counts back and refuses to run under capture.
+#include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
+
+#include <vector>
 
 namespace maskedbranch {
 namespace {
@@ -27,6 +30,21 @@ constexpr bool kWithCuda = false;
 #endif
 
 bool with_cuda() { return kWithCuda; }
+
+// How many threads the CPU kernels' parallel loops run on now: at most torch.get_num_threads(),
+// and 1 in a build whose parallel_for cannot fork (compiled without OpenMP under torch's OpenMP
+// backend, where every kernel would silently run on one thread).
+int64_t cpu_kernel_threads() {
+  const int64_t limit = at::get_num_threads();
+  std::vector<char> seen(static_cast<size_t>(limit), 0);  // one slot per thread: no races
+  at::parallel_for(0, limit, 1, [&](int64_t, int64_t) {
+    const int tid = at::get_thread_num();
+    if (tid >= 0 && tid < limit) seen[static_cast<size_t>(tid)] = 1;
+  });
+  int64_t used = 0;
+  for (char s : seen) used += s;
+  return used;
+}
 
 }  // namespace
 }  // namespace maskedbranch
@@ -51,6 +69,8 @@ TORCH_LIBRARY(maskedbranch, m) {
         "Tensor row_pos) -> Tensor");
   // Whether this build has CUDA kernels.
   m.def("with_cuda() -> bool", &maskedbranch::with_cuda);
+  // How many threads the CPU kernels run on at the current torch thread count.
+  m.def("cpu_kernel_threads() -> int", &maskedbranch::cpu_kernel_threads);
 }
 
 // The formulas live in Python (maskedbranch/_autograd.py). Differentiating the raw ops

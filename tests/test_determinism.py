@@ -223,6 +223,16 @@ def test_two_runs_bitwise_identical(name, device):
     assert any(r is not None and r.numel() for r in first[1:]), "nothing was differentiated"
 
 
+def test_cpu_kernels_run_on_every_thread():
+    """The comparison below means something only if the kernels really fork: ATen's parallel_for
+    forks only in code compiled with OpenMP under torch's OpenMP backend (setup.py's
+    openmp_flags); a build without it runs every kernel on one thread and still passes the rest."""
+    for n in (1, 2, 4):
+        with threads(n):
+            used = torch.ops.maskedbranch.cpu_kernel_threads()
+            assert used == n, f"the CPU kernels ran on {used} of {n} threads"
+
+
 @pytest.mark.parametrize("name", THREAD_INDEPENDENT)
 def test_same_bits_for_any_thread_count(name):
     with threads(1):

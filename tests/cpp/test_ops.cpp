@@ -2,6 +2,7 @@
 // checks them against values worked out by hand. Runs on the CPU, and on the GPU too when
 // the library has CUDA kernels and a GPU is visible. Exit status 0 means every check passed.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
@@ -211,6 +212,19 @@ void test_cuda_key(const at::Device& dev) {
 #endif
 }
 
+// The CPU kernels fork onto torch's threads (the library is compiled with OpenMP when torch's
+// parallel backend is OpenMP; without it ATen's parallel_for runs every kernel on one thread).
+void test_cpu_threads(const at::Device& dev) {
+  if (!dev.is_cpu()) return;
+  static auto threads = op("maskedbranch::cpu_kernel_threads").typed<int64_t()>();
+  const int before = at::get_num_threads();
+  for (int n : {1, 2, 3}) {
+    at::set_num_threads(n);
+    EXPECT(threads.call() == n, "cpu_kernel_threads() = " << threads.call() << " at " << n << " threads");
+  }
+  at::set_num_threads(before);
+}
+
 void run_all(const at::Device& dev) {
   const std::vector<std::pair<const char*, void (*)(const at::Device&)>> tests = {
       {"plan_ids", test_plan_ids},
@@ -219,6 +233,7 @@ void run_all(const at::Device& dev) {
       {"combine", test_combine},
       {"errors", test_errors},
       {"cuda_key", test_cuda_key},
+      {"cpu_threads", test_cpu_threads},
   };
   for (const auto& [name, fn] : tests) {
     const int before = failures;
