@@ -107,6 +107,33 @@ def test_gather_matches_reference(device, dtype, gen, trailing, weighted):
             assert torch.equal(g, r)
 
 
+@pytest.mark.parametrize("layout", ["random", "clustered", "descending"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_gather_by_source_blocks(gen, layout, threads):
+    """The CPU gather sweeps x by blocks of source rows, split between tasks by entries, when each
+    branch's rows ascend (plans from `plan`), and copies in packed order otherwise: both paths,
+    with several tasks and blocks, entries crowded into a few rows, and hand-made descending rows."""
+    batch, d, n = 3000, 96, 4  # 341 rows per task, 682 rows per block
+    ids = torch.randint(0, n, (batch,), generator=gen)
+    if layout == "clustered":  # every entry in the first third of the rows: 3 tasks split those
+        ids[batch // 3:] = -1
+    offsets, rows, *_ = ops.plan(ids, n)
+    counts = counts_of(offsets)
+    if layout == "descending":
+        rows = torch.cat([r.flip(0) for r in rows.split(counts)])
+    x = randn(batch, d, gen=gen)
+    w = randn(batch, n, gen=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for weights in (None, w):
+            got = ops.gather(x, rows, weights, counts)
+            for g, r in zip(got, ref.gather(x, rows, weights, counts)):
+                assert torch.equal(g, r)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("kind", GATE_KINDS)
 @pytest.mark.parametrize("n", [1, 3, 70])
 def test_combine_matches_reference(device, dtype, gen, kind, n):

@@ -21,7 +21,7 @@ std::vector<at::Tensor> gather_cpu(const at::Tensor& x_in, const at::Tensor& row
     using opmath_t = at::opmath_type<scalar_t>;
     std::vector<scalar_t*> dst;
     for (auto& o : outs) dst.push_back(o.data_ptr<scalar_t>());
-    cpu::gather_rows<scalar_t>(dst, a.x.const_data_ptr<scalar_t>(), a.rows.const_data_ptr<int64_t>(), a.starts,
+    cpu::gather_rows<scalar_t>(dst, a.x.const_data_ptr<scalar_t>(), a.x.size(0), a.rows.const_data_ptr<int64_t>(), a.starts,
                                row_numel(a.x), a.weights.defined() ? a.weights.const_data_ptr<opmath_t>() : nullptr);
   });
   return outs;

@@ -53,28 +53,86 @@ inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(p + k);
 }
 
+// Whether each branch's source rows ascend (so in every plan made by `plan`).
+inline bool rows_ascend_per_branch(const int64_t* rows, const std::vector<int64_t>& starts) {
+  for (size_t i = 0; i + 1 < starts.size(); ++i)
+    for (int64_t p = starts[i] + 1; p < starts[i + 1]; ++p)
+      if (rows[p] < rows[p - 1]) return false;
+  return true;
+}
+
+// Source rows per block of the blocked gather: about an L2 cache of x.
+inline int64_t block_rows(int64_t row_bytes) { return std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, row_bytes)); }
+
 // Packed entry p (branch i's slice [starts[i], starts[i + 1])) goes to row p - starts[i] of
 // outs[i]: outs[i][k] = w * src[rows[p]]. Without weights w = 1 (a plain copy); with weights
 // [B, N], w = weights[rows[p], i].
+//
+// Several branches with ascending rows (the usual case) are gathered by blocks of source rows:
+// each task sweeps its share of x forward once, block by block, and copies every branch's
+// entries of the block, where a walk in packed order would sweep x once per branch with gaps
+// (a new page on almost every row). Tasks split the entries evenly (a binary search for their
+// first source row). Other plans are copied in packed order.
 template <typename scalar_t>
-void gather_rows(const std::vector<scalar_t*>& outs, const scalar_t* src, const int64_t* rows,
+void gather_rows(const std::vector<scalar_t*>& outs, const scalar_t* src, int64_t src_rows, const int64_t* rows,
                  const std::vector<int64_t>& starts, int64_t row_numel, const at::opmath_type<scalar_t>* weights) {
   const int64_t num_branches = static_cast<int64_t>(starts.size()) - 1;
   const int64_t num_entries = starts.back();
   const int64_t row_bytes = row_numel * static_cast<int64_t>(sizeof(scalar_t));
-  if (row_numel == 0) return;  // empty rows: nothing to copy (and memcpy must not see null)
+  if (row_numel == 0 || num_entries == 0) return;  // nothing to copy (and memcpy must not see null)
+  auto copy_entry = [&](int64_t branch, int64_t p) {
+    const scalar_t* in = src + rows[p] * row_numel;
+    scalar_t* o = outs[branch] + (p - starts[branch]) * row_numel;
+    if (weights == nullptr) std::memcpy(o, in, row_bytes);
+    else scaled_row(o, in, weights[rows[p] * num_branches + branch], row_numel);
+  };
+  if (num_branches > 1 && rows_ascend_per_branch(rows, starts)) {
+    // first entry of branch i whose source row is >= r
+    auto first_at = [&](int64_t i, int64_t r) { return std::lower_bound(rows + starts[i], rows + starts[i + 1], r) - rows; };
+    auto entries_below = [&](int64_t r) {
+      int64_t n = 0;
+      for (int64_t i = 0; i < num_branches; ++i) n += first_at(i, r) - starts[i];
+      return n;
+    };
+    const int64_t tasks = std::clamp<int64_t>(num_entries / row_grain(row_numel), 1, at::get_num_threads());
+    std::vector<int64_t> bounds(tasks + 1, src_rows);
+    bounds[0] = 0;
+    for (int64_t k = 1; k < tasks; ++k) {  // the first source row with k / tasks of the entries below it
+      int64_t lo = bounds[k - 1], hi = src_rows;
+      const int64_t target = num_entries * k / tasks;
+      while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (entries_below(mid) >= target) hi = mid;
+        else lo = mid + 1;
+      }
+      bounds[k] = lo;
+    }
+    const int64_t block = block_rows(row_bytes);
+    at::parallel_for(0, tasks, 1, [&](int64_t k0, int64_t k1) {
+      std::vector<int64_t> next(num_branches);
+      for (int64_t k = k0; k < k1; ++k) {
+        for (int64_t i = 0; i < num_branches; ++i) next[i] = first_at(i, bounds[k]);
+        for (int64_t r0 = bounds[k]; r0 < bounds[k + 1]; r0 += block) {
+          const int64_t r1 = std::min(r0 + block, bounds[k + 1]);
+          for (int64_t i = 0; i < num_branches; ++i) {
+            int64_t p = next[i];
+            for (; p < starts[i + 1] && rows[p] < r1; ++p) {
+              if (p + kPrefetchRows < starts[i + 1]) prefetch_row(src + rows[p + kPrefetchRows] * row_numel, row_bytes);
+              copy_entry(i, p);
+            }
+            next[i] = p;
+          }
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, num_entries, row_grain(row_numel), [&](int64_t begin, int64_t end) {
     int64_t branch = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
     for (int64_t p = begin; p < end; ++p) {
       while (p >= starts[branch + 1]) ++branch;
       if (p + kPrefetchRows < end) prefetch_row(src + rows[p + kPrefetchRows] * row_numel, row_bytes);
-      const scalar_t* in = src + rows[p] * row_numel;
-      scalar_t* o = outs[branch] + (p - starts[branch]) * row_numel;
-      if (weights == nullptr) {
-        std::memcpy(o, in, row_bytes);
-      } else {
-        scaled_row(o, in, weights[rows[p] * num_branches + branch], row_numel);
-      }
+      copy_entry(branch, p);
     }
   });
 }
