@@ -40,6 +40,26 @@ class InvalidatesOnApply:
         return out
 
 
+class RoutingModuleList(InvalidatesOnApply, nn.ModuleList):
+    """An ``nn.ModuleList`` of routed modules (MaskedBranch's branches, a LayerDrop owner's
+    layers): its edits that register nothing still refresh the caches, and a slice is a plain
+    ``nn.ModuleList`` of the modules, as ``nn.ModuleList`` gives it (not a second routing list,
+    which an empty slice could not even construct)."""
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return nn.ModuleList(list(self._modules.values())[idx])
+        return super().__getitem__(idx)
+
+    def __delitem__(self, idx) -> None:
+        super().__delitem__(idx)
+        invalidate()
+
+    def insert(self, index: int, module: nn.Module) -> None:
+        super().insert(index, module)
+        invalidate()
+
+
 # At most this many sets of live branches keep their tied parameters (a many-branch layer could
 # see any number of them).
 MAX_CACHED_SETS = 1024

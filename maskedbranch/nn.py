@@ -41,7 +41,7 @@ def _check_materialize(value: Any) -> Optional[bool]:
     raise TypeError(f"materialize_grads: expected None (automatic), True or False, got {type(value).__name__}")
 
 
-class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
+class MaskedBranch(_structure.RoutingModuleList):
     r"""An ``nn.ModuleList`` of branches that runs each row through the branches its gate selects,
     and only those: ``y[b] = sum_i g[b, i] * branch_i(x[b], ...)``.
 
@@ -93,22 +93,6 @@ class MaskedBranch(_structure.InvalidatesOnApply, nn.ModuleList):
         self._usage = unused_grads.Usage()
         self.register_load_state_dict_pre_hook(_load_old_layout)
         unused_grads.register(self)
-
-    def __getitem__(self, idx):
-        # A slice is a list of branches, as nn.ModuleList gives it, not a second router (which
-        # an empty slice could not even construct).
-        if isinstance(idx, slice):
-            return nn.ModuleList(list(self._modules.values())[idx])
-        return super().__getitem__(idx)
-
-    # ModuleList edits that register nothing must still refresh the cached structure.
-    def __delitem__(self, idx) -> None:
-        super().__delitem__(idx)
-        _structure.invalidate()
-
-    def insert(self, index: int, module: nn.Module) -> None:
-        super().insert(index, module)
-        _structure.invalidate()
 
     @property
     def num_branches(self) -> int:

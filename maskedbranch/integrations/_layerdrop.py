@@ -101,7 +101,7 @@ def _fsdp_module_type() -> Optional[type]:
 # The layer list.
 
 
-class LayerDropList(_structure.InvalidatesOnApply, nn.ModuleList):
+class LayerDropList(_structure.RoutingModuleList):
     """The ``layers`` of a patched owner: the same layer objects (``state_dict`` keys
     ``layers.0.weight``, indexing and ``len`` as before). Outside the owner's training forward,
     iterating yields the layers; inside, it draws LayerDrop as HF does and yields, for each
@@ -123,20 +123,6 @@ class LayerDropList(_structure.InvalidatesOnApply, nn.ModuleList):
         self._owner: Optional[weakref.ref] = None  # set by the owner's pre-hook (copies re-learn it)
         self._fwd: Optional[int] = None  # the units the current forward ran (None: not recorded)
         self._extras: List[Tuple[Tensor, bool]] = []  # other inputs that dropped layers tied in, with zeros?
-
-    # nn.ModuleList edits that register nothing must still refresh the cached structure.
-    def __delitem__(self, idx) -> None:
-        super().__delitem__(idx)
-        _structure.invalidate()
-
-    def insert(self, index: int, module: nn.Module) -> None:
-        super().insert(index, module)
-        _structure.invalidate()
-
-    def __getitem__(self, idx):
-        if isinstance(idx, slice):  # a plain list of the layers, as nn.ModuleList gives
-            return nn.ModuleList(list(self._modules.values())[idx])
-        return super().__getitem__(idx)
 
     # Units: each layer, then the owner's other parameters (embeddings, norms: the owner's output
     # may go unused, see _leave), which nested LayerDrop owners keep as units of their own.
