@@ -11,6 +11,9 @@ Sizes are chosen so that the CPU kernels split their rows over several parallel 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from typing import Callable, Dict, List
 
 import pytest
@@ -231,6 +234,36 @@ def test_cpu_kernels_run_on_every_thread():
         with threads(n):
             used = torch.ops.maskedbranch.cpu_kernel_threads()
             assert used == n, f"the CPU kernels ran on {used} of {n} threads"
+
+
+def kernel_results() -> List[Tensor]:
+    """The routing ops' outputs in every float dtype (weighted and plain gathers, combines with
+    and without a base), from a fixed seed."""
+    ops, gen = torch.ops.maskedbranch, torch.Generator().manual_seed(0)
+    out = []
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        x = torch.randn(B, D, generator=gen).to(dtype)
+        w = torch.rand(B, N, generator=gen)
+        w = w.double() if dtype == torch.float64 else w
+        gate = torch.rand(B, N, generator=gen) < 0.4
+        p = mb.make_plan(gate, N)
+        for weights in (None, w):
+            ys = ops.gather(x, p.rows, weights, p.counts)
+            out += ys
+            for base in (None, x):
+                out.append(ops.combine(base, ys, weights, p.row_offsets, p.row_branch, p.row_pos))
+    return out
+
+
+def test_same_bits_from_baseline_cpu_code(tmp_path):
+    """On x86-64 the row loops run compiled for AVX2 where the CPU has it; without FMA they round
+    as the baseline code does. MASKEDBRANCH_CPU_BASELINE=1 (read at the first call) selects the
+    baseline code in a fresh process."""
+    script = (f"import sys, torch; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+              f"import test_determinism as t; torch.save(t.kernel_results(), {str(tmp_path / 'base.pt')!r})")
+    env = {**os.environ, "MASKEDBRANCH_CPU_BASELINE": "1"}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    assert_bitwise(kernel_results(), torch.load(tmp_path / "base.pt"), "AVX2 vs baseline row loops")
 
 
 @pytest.mark.parametrize("name", THREAD_INDEPENDENT)
