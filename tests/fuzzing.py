@@ -32,6 +32,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import harness  # noqa: E402
 from maskedbranch import reference as ref  # noqa: E402
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -54,10 +55,8 @@ RAN: Dict[str, int] = collections.Counter()
 def one_thread():
     """Tiny tensors: intra-op threads only add wake-up latency (large on a loaded machine);
     tests/test_determinism.py covers the multi-threaded kernels."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with harness.intra_op_threads(1):
+        yield
 
 
 def fuzz(name: str):

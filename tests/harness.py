@@ -140,6 +140,17 @@ def results_of(ranks, name: str):
 
 
 @contextlib.contextmanager
+def intra_op_threads(n: int):
+    """torch's intra-op thread count set to ``n`` inside the block, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
 def conversions_replace_parameters():
     """Inside, ``.to()`` / ``.double()`` put new Parameter objects in place (as
     ``torch.__future__.set_overwrite_module_params_on_conversion(True)`` makes them do) instead of

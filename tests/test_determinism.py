@@ -23,6 +23,7 @@ from torch import Tensor, nn
 import maskedbranch as mb
 
 from harness import DEVICES
+from harness import intra_op_threads as threads
 
 B, D, N = 1536, 64, 6  # 512 rows per CPU task: 3 tasks
 
@@ -185,16 +186,6 @@ def assert_bitwise(a: List, b: List, what: str) -> None:
         # bitwise: compare the bytes, so that -0.0 vs 0.0 and NaN payloads count too
         same = torch.equal(u.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)) if u.numel() else True
         assert same, f"{what}: result {i} differs in {int((u != v).sum())} elements"
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager

@@ -86,10 +86,8 @@ def check(what: str, grew: int, grew_late: int, new_objects: int, new_tensors: i
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: no intra-op threads (and no per-thread arenas)
-    yield
-    torch.set_num_threads(before)
+    with harness.intra_op_threads(1):  # tiny tensors: no intra-op threads (and no per-thread arenas)
+        yield
 
 
 def branches():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import maskedbranch as mb
-from harness import DTYPES, GATE_KINDS, TOL, random_gate
+from harness import DTYPES, GATE_KINDS, TOL, intra_op_threads, random_gate
 from maskedbranch import functional as F
 from maskedbranch import reference as ref
 
@@ -123,15 +123,11 @@ def test_gather_by_source_blocks(gen, layout, threads):
         rows = torch.cat([r.flip(0) for r in rows.split(counts)])
     x = randn(batch, d, gen=gen)
     w = randn(batch, n, gen=gen)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         for weights in (None, w):
             got = ops.gather(x, rows, weights, counts)
             for g, r in zip(got, ref.gather(x, rows, weights, counts)):
                 assert torch.equal(g, r)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("kind", GATE_KINDS)
@@ -254,12 +250,8 @@ def test_bitwise_deterministic(device, gen):
                 ops.combine_weights_backward(long_grad, lys, *row_plan(lplan))]
 
     first = run()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1 if threads > 1 else 2)  # CPU results must not depend on it
+    with intra_op_threads(1 if torch.get_num_threads() > 1 else 2):  # CPU results must not depend on it
         second = run()
-    finally:
-        torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 

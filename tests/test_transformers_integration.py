@@ -34,10 +34,8 @@ from maskedbranch.integrations import transformers as mb_hf  # noqa: E402
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny models: one intra-op thread (two threads on a busy two-core runner spin more than they compute)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with harness.intra_op_threads(1):
+        yield
 
 
 SKIPPED = {"pegasus_x": ["encoder"], "informer": ["encoder"], "table_transformer": ["decoder"]}
