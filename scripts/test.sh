@@ -11,9 +11,15 @@
 #   (e) builds the CPU kernels with AddressSanitizer + UndefinedBehaviorSanitizer (out of tree,
 #       in .venv-cpu) and runs the op, bad-input, MaskedBranch and fuzz tests under them (scripts/sanitize.sh).
 # Every part runs even when an earlier one fails; the exit status is non-zero if any failed.
+# Default order a b c e d: each part reports the free disk space before it starts, and under CI
+# (CI=true) an environment is deleted as soon as no later part needs it, so the peak is one CUDA
+# build of torch (about 6 GB) plus the wheels being installed, not three environments at once.
 #
 # Knobs (environment):
-#   MASKEDBRANCH_PARTS="a b c d e"  parts to run
+#   MASKEDBRANCH_PARTS="a b c e d"  parts to run, in this order
+#   MASKEDBRANCH_PRUNE_VENVS=0|1    delete each environment after its last part (default 1 under
+#                                   CI=true, else 0)
+#   PIP_NO_CACHE_DIR                default 1: no second copy of every wheel in pip's cache
 #   TORCH_CUDA_ARCH_LIST            GPU architectures for (a) and (b); default "8.0;9.0+PTX"
 #   MAX_JOBS                        parallel compile jobs; default: the number of cores
 #   MASKEDBRANCH_CMAKE_CUDA=0|1     compile the CUDA kernels in the CMake build too (default 1
@@ -36,7 +42,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
-PARTS=${MASKEDBRANCH_PARTS:-"a b c d e"}
+PARTS=${MASKEDBRANCH_PARTS:-"a b c e d"}
 PYTHON=${PYTHON:-python3}
 VENV_CUDA=${MASKEDBRANCH_VENV_CUDA:-$ROOT/.venv-cuda}
 VENV_CPU=${MASKEDBRANCH_VENV_CPU:-$ROOT/.venv-cpu}
@@ -50,6 +56,10 @@ TEST_DEPS=(numpy pytest hypothesis expecttest ninja)
 INTEGRATION_DEPS=(timm transformers accelerate lightning)  # optional: their tests skip without them
 CMAKE_BUILD_DIR=$ROOT/cmake-build
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# pip keeps every wheel it downloads in its cache: a CUDA build of torch and its libraries twice
+# over. The environments here are reused instead, so the cache only costs disk.
+export PIP_NO_CACHE_DIR=${PIP_NO_CACHE_DIR:-1}
+if [[ ${CI:-} == true || ${CI:-} == 1 ]]; then PRUNE_VENVS=${MASKEDBRANCH_PRUNE_VENVS:-1}; else PRUNE_VENVS=${MASKEDBRANCH_PRUNE_VENVS:-0}; fi
 
 banner() { printf '\n======== %s ========\n' "$*"; }
 note() { printf -- '-- %s\n' "$*"; }
@@ -286,18 +296,39 @@ part_e() {
   PYTHON="$VENV_CPU/bin/python" SANITIZE_BUILD_DIR="$VENV_CPU/build-sanitize" bash "$ROOT/scripts/sanitize.sh"
 }
 
+# The environment each part works in, for pruning ((b) also builds into $CMAKE_BUILD_DIR).
+declare -A VENV_OF=([a]=$VENV_CUDA [b]=$VENV_CUDA [c]=$VENV_CPU [d]=$VENV_FLOOR [e]=$VENV_CPU)
+
+free_disk() { df -Ph "$ROOT" | awk 'NR == 2 {print $4 " free on " $6}'; }
+
+# prune_after PART REMAINING_PARTS... : delete PART's environment when no remaining part uses it.
+prune_after() {
+  local part=$1 later; shift
+  [[ $PRUNE_VENVS == 1 ]] || return 0
+  for later in "$@"; do [[ ${VENV_OF[$later]} == "${VENV_OF[$part]}" ]] && return 0; done
+  [[ $part == b ]] && rm -rf "$CMAKE_BUILD_DIR"
+  rm -rf "${VENV_OF[$part]}"
+  note "deleted ${VENV_OF[$part]} (no later part uses it); $(free_disk)"
+}
+
 declare -A STATUS SECS
 ORDER=()
 overall=0
-for part in $PARTS; do
+read -r -a PART_LIST <<< "$PARTS"
+for part in "${PART_LIST[@]}"; do
   case $part in a|b|c|d|e) ;; *) echo "unknown part '$part' in MASKEDBRANCH_PARTS (use a, b, c, d, e)"; exit 2 ;; esac
+done
+for i in "${!PART_LIST[@]}"; do
+  part=${PART_LIST[$i]}
   start=$SECONDS
+  note "disk: $(free_disk)"
   ( "part_$part" )
   rc=$?
   SECS[$part]=$((SECONDS - start))
   if [[ $rc -eq 0 ]]; then STATUS[$part]=passed; else STATUS[$part]="FAILED (exit $rc)"; overall=1; fi
   ORDER+=("$part")
   note "part ($part) ${STATUS[$part]} in ${SECS[$part]} s"
+  prune_after "$part" "${PART_LIST[@]:$((i + 1))}"
 done
 
 declare -A TITLE=([a]="CUDA build + pytest suite" [b]="CMake/libtorch + ctest" [c]="torch 2.13 CPU + pytest suite"
