@@ -8,7 +8,7 @@
 //
 // Plans made by hand (not by `plan`) are checked: on the CPU on the host (an exception that
 // names the argument), on a GPU by device asserts, which cost no synchronization but leave the
-// CUDA context unusable (csrc/cuda/row_kernels.cuh says why). Both reject the same plans.
+// CUDA context unusable (csrc/cuda/plan_asserts.cuh says why). Both reject the same plans.
 //
 // CUDA graphs: gather, combine and combine_weights_backward launch kernels only (more than 64
 // branches included: their pointer table is written by kernels, not copied from host memory),

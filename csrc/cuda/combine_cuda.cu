@@ -2,7 +2,7 @@
 // of per-branch pointers, never concatenated; it is also gather's backward); and the gradient
 // of its weights (one dot product per live entry, a fixed-shape tree reduction, no atomics).
 // Same outputs as csrc/cpu/combine.cpp; the weights' gradient differs from the CPU only by
-// summation order. Plan values are checked on the device (row_kernels.cuh).
+// summation order. Plan values are checked on the device (plan_asserts.cuh).
 #include <torch/library.h>
 
 #include "../op_args.h"

@@ -1,7 +1,7 @@
 // gather (CUDA): each branch's rows of x into a new tensor of its own, optionally scaled by the
 // gate weights (which makes it combine's backward with respect to the branch outputs). One
 // launch for all branches: the outputs travel as a pointer table, like combine's inputs. Same
-// outputs and layouts as csrc/cpu/gather.cpp; `rows` is checked on the device (row_kernels.cuh).
+// outputs and layouts as csrc/cpu/gather.cpp; `rows` is checked on the device (plan_asserts.cuh).
 #include <torch/library.h>
 
 #include "../op_args.h"
