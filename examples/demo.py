@@ -21,7 +21,6 @@ built with its CUDA kernels.
 Ends with "DEMO PASS" (exit 0) or "DEMO FAIL" (exit 1), printed by rank 0.
 """
 import argparse
-import copy
 import os
 import statistics
 import time

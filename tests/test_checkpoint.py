@@ -3,7 +3,6 @@ ResidualDropPath, DropPath and drop_add_residual: the same outputs and gradients
 checkpointing (bitwise), with the routing plan and the drop mask replayed identically in the
 recomputation (checked by recording what the branches receive in the forward and in the
 recomputation), and replay_generators for generators of the user's own."""
-import copy
 
 import pytest
 import torch

@@ -10,7 +10,6 @@ show. After every step the parameters and gradients (None included) must equal t
 and the replicas must stay identical.
 """
 import contextlib
-import copy
 import os
 import time
 import traceback

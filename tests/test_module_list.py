@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-import maskedbranch as mb
 from maskedbranch import MaskedBranch, reference
 
 D_IN, D, N, B = 5, 6, 3, 10

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import maskedbranch as mb
-from harness import DTYPES, GATE_KINDS, TOL, intra_op_threads, random_gate
+from harness import GATE_KINDS, TOL, intra_op_threads, random_gate
 from maskedbranch import functional as F
 from maskedbranch import reference as ref
 

@@ -16,14 +16,12 @@ from timm_models import (  # skips the module when timm is not usable
     FAMILIES,
     RowCounter,
     assert_grads_equal,
-    efficientnet,
     freeze_batch_norms,
     fx_outcome,
     images,
     mb_timm,
     pair,
     run,
-    timm,
 )
 
 
