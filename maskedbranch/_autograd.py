@@ -17,7 +17,7 @@ zeros when ``zeros`` is set (docs/design.md, "Dead parameters").
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -58,19 +58,30 @@ autograd traces the backward (it cannot add an undefined gradient to the other g
 tensor with several consumers)."""
 
 
-def _tied_grads(ctx, first: int, tied: Sequence[Tuple[torch.Size, torch.dtype, torch.device]]) -> List[Optional[Tensor]]:
-    """The gradients of the tied tensors (inputs ``first``, ``first + 1``, ...)."""
-    if not ctx.zeros or (ctx.zeros == ZEROS_WHEN_COMPILED and not _compat.compiled_autograd_tracing()):
+TensorMeta = Tuple[torch.Size, torch.dtype, torch.device]
+
+
+def _tied_meta(tensors: Sequence[Tensor], zeros: Union[bool, int]) -> Union[int, List[TensorMeta]]:
+    """What the backward needs to know of the tied tensors: their metadata when it may have to
+    make zeros for them, else only their count (reading the metadata of every parameter of the
+    dead branches cost more than the rest of a tie)."""
+    if not zeros:
+        return len(tensors)
+    return [(t.shape, t.dtype, t.device) for t in tensors]
+
+
+def _tied_grads(ctx, first: int, tied: Union[int, List[TensorMeta]]) -> List[Optional[Tensor]]:
+    """The gradients of the tied tensors (inputs ``first``, ``first + 1``, ...); ``tied`` is
+    what :func:`_tied_meta` kept."""
+    if isinstance(tied, int):
+        return [None] * tied
+    if ctx.zeros == ZEROS_WHEN_COMPILED and not _compat.compiled_autograd_tracing():
         return [None] * len(tied)
     needs = ctx.needs_input_grad
     return [
         torch.zeros(shape, dtype=dtype, device=device) if needs[first + k] else None
         for k, (shape, dtype, device) in enumerate(tied)
     ]
-
-
-def _meta(tensors: Sequence[Tensor]) -> List[Tuple[torch.Size, torch.dtype, torch.device]]:
-    return [(t.shape, t.dtype, t.device) for t in tensors]
 
 
 @_two_forms
@@ -114,7 +125,7 @@ class Combine(Function):
     def setup_context(ctx, inputs, output):
         base, weights, rows, row_offsets, row_branch, row_pos, num_ys, zeros, *tensors = inputs
         ys, tied = tensors[:num_ys], tensors[num_ys:]
-        ctx.num_ys, ctx.zeros, ctx.tied = num_ys, zeros, _meta(tied)
+        ctx.num_ys, ctx.zeros, ctx.tied = num_ys, zeros, _tied_meta(tied, zeros)
         ctx.counts = [y.shape[0] for y in ys]
         ctx.has_weights = weights is not None
         ctx.weights_dtype = None if weights is None else weights.dtype
@@ -152,7 +163,7 @@ class Tie(Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, zeros, *tied = inputs
-        ctx.zeros, ctx.tied = zeros, _meta(tied)
+        ctx.zeros, ctx.tied = zeros, _tied_meta(tied, zeros)
 
     @staticmethod
     def backward(ctx, grad):
