@@ -59,7 +59,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # pip keeps every wheel it downloads in its cache: a CUDA build of torch and its libraries twice
 # over. The environments here are reused instead, so the cache only costs disk.
 export PIP_NO_CACHE_DIR=${PIP_NO_CACHE_DIR:-1}
-if [[ ${CI:-} == true || ${CI:-} == 1 ]]; then PRUNE_VENVS=${MASKEDBRANCH_PRUNE_VENVS:-1}; else PRUNE_VENVS=${MASKEDBRANCH_PRUNE_VENVS:-0}; fi
+PRUNE_BY_DEFAULT=0
+[[ ${CI:-} == true || ${CI:-} == 1 ]] && PRUNE_BY_DEFAULT=1
+PRUNE_VENVS=${MASKEDBRANCH_PRUNE_VENVS:-$PRUNE_BY_DEFAULT}
 
 banner() { printf '\n======== %s ========\n' "$*"; }
 note() { printf -- '-- %s\n' "$*"; }
