@@ -8,16 +8,31 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <initializer_list>
 #include <string>
 #include <vector>
 
 namespace maskedbranch {
 
+// Whether the trailing dimensions (all but the rows) are dense in the order `dims` (innermost
+// first), ignoring sizes of 1 as torch's contiguity checks do.
+inline bool trailing_dense(const at::Tensor& t, std::initializer_list<int64_t> dims) {
+  int64_t expected = 1;
+  for (int64_t d : dims) {
+    if (t.size(d) != 1 && t.stride(d) != expected) return false;
+    expected *= t.size(d);
+  }
+  return true;
+}
+
+// The layout of a tensor's rows, read from its trailing strides only: the same answer whatever
+// the row count (none included), so that the output layout never depends on how many rows a
+// branch got (torch.compile traces with that count unknown).
 inline at::MemoryFormat row_format(const at::Tensor& t) {
-  if (t.dim() == 4 && !t.is_contiguous() && t.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+  if (t.dim() == 4 && !trailing_dense(t, {3, 2, 1}) && trailing_dense(t, {1, 3, 2})) {
     return at::MemoryFormat::ChannelsLast;
   }
-  if (t.dim() == 5 && !t.is_contiguous() && t.is_contiguous(at::MemoryFormat::ChannelsLast3d)) {
+  if (t.dim() == 5 && !trailing_dense(t, {4, 3, 2, 1}) && trailing_dense(t, {1, 4, 3, 2})) {
     return at::MemoryFormat::ChannelsLast3d;
   }
   return at::MemoryFormat::Contiguous;

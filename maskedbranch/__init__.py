@@ -5,7 +5,8 @@ from . import reference
 from ._ops import WITH_CUDA, Plan, make_plan
 from .functional import anchor, combine, gather
 from .nn import MaskedBranch, masked_branch
-from .drop_path import DropPath, ResidualDropPath, drop_add_residual, drop_path
+from .drop_path import DropPath, StochasticDepth, drop_path, stochastic_depth
+from .residual import ResidualDropPath, drop_add_residual
 from .unused_grads import UnusedGradsToNone, unused_grads_to_none
 
 __version__ = "0.2.0"
@@ -15,6 +16,7 @@ __all__ = [
     "MaskedBranch",
     "Plan",
     "ResidualDropPath",
+    "StochasticDepth",
     "UnusedGradsToNone",
     "WITH_CUDA",
     "anchor",
@@ -27,6 +29,7 @@ __all__ = [
     "make_plan",
     "masked_branch",
     "reference",
+    "stochastic_depth",
     "unused_grads_to_none",
 ]
 

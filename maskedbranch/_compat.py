@@ -15,6 +15,9 @@ with a public fallback that the tests exercise (tests/test_compat.py).
 * :func:`ddp_python_reducer`: whether DDP uses its Python reducer (``torch._dynamo.config.
   optimize_ddp``, what compiled autograd needs). Fallback: True (the gradient order that the
   Python reducer needs is correct under every reducer, only a little costlier).
+* :func:`ddp_join_active`: whether a DDP module runs inside ``Join`` (uneven inputs), read from
+  its ``_join_config``. Fallback: False (a Join then fails in the all-reduce it cannot shadow,
+  with gloo's or NCCL's own error, instead of with maskedbranch's message).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["functorch_active", "tracing", "compiled_autograd_tracing", "active_ddp", "ddp_python_reducer"]
+__all__ = ["functorch_active", "tracing", "compiled_autograd_tracing", "active_ddp", "ddp_python_reducer", "ddp_join_active"]
 
 _functorch_check = getattr(torch._C, "_are_functorch_transforms_active", None)
 
@@ -61,7 +64,7 @@ def compiled_autograd_tracing() -> bool:
 
 _DDP = nn.parallel.DistributedDataParallel
 _HAS_ACTIVE_ATTR = hasattr(_DDP, "_active_ddp_module")
-_force_fallback = {"functorch": False, "ddp": False, "python_reducer": False, "compiled_autograd": False}  # set by the tests of the fallbacks
+_force_fallback = {"functorch": False, "ddp": False, "python_reducer": False, "compiled_autograd": False, "join": False}  # set by the tests of the fallbacks
 _PYTHON_REDUCER = ("python_reducer", "python_reducer_without_compiled_forward")
 
 
@@ -84,3 +87,11 @@ def ddp_python_reducer() -> bool:
     if mode is _force_fallback or _force_fallback["python_reducer"]:
         return True
     return mode in _PYTHON_REDUCER
+
+
+def ddp_join_active(module) -> bool:
+    """Whether ``module`` is a DDP module inside ``torch.distributed.algorithms.Join``."""
+    config = getattr(module, "_join_config", None) if isinstance(module, _DDP) else None
+    if config is None or _force_fallback["join"]:
+        return False
+    return bool(getattr(config, "enable", False))

@@ -28,12 +28,28 @@ def host_routing(
     return draw(batch, keep_prob, generator).to(torch.int64).sub_(1), scale  # 0 kept, -1 dropped
 
 
-# Under torch.compile this runs eagerly, one graph break before any traced op. Traced, the draw
-# would form a graph of its own ahead of the plan's data-dependent break (two breaks per call),
-# inductor would draw from its own random stream instead of the documented one, and the scale's
-# float arithmetic would need assume_constant_result, which crashes torch 2.6's Dynamo for a
-# float result ("'OutputGraph' object has no attribute 'distributed_state'"). Eager mode calls
-# host_routing directly (the disable wrapper costs about 2 us a call).
+# Under torch.compile the draw is the op keep_draw (csrc/cpu/draw.cpp): the same draw from the
+# same default CPU generator, opaque to the compiler (which would replace a traced bernoulli_ by
+# its own random stream) and kept in program order by the token every draw mutates. The factor
+# of kept rows is a tensor op there, torch's own rounding (timm's division of a mask of the
+# dtype by keep_prob), so that no float is computed in Python while tracing.
+_ORDER = torch.zeros(1, dtype=torch.int64)
+
+
+def traced_routing(mode: str, batch: Any, keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Tuple[Tensor, Any]:
+    """:func:`host_routing` inside a compiled graph: the gate as a tensor [B] (0 kept, -1
+    dropped, for the batch in "batch" mode) and the factor as a 0-d tensor (or 1.0)."""
+    keep = torch.ops.maskedbranch.keep_draw(_ORDER, batch if mode == "row" else 1, keep_prob)
+    gate = keep.to(torch.int64).sub_(1)
+    if mode != "row":
+        gate = gate.expand(batch)
+    if not scale_by_keep or keep_prob == 0.0:
+        return gate, 1.0
+    return gate, torch.ones((), dtype=dtype).div_(keep_prob)
+
+
+# A user's generator cannot enter a graph: with one, the draw runs eagerly (a graph break).
+# Eager mode calls host_routing directly (the disable wrapper costs about 2 us a call).
 host_routing_outside_graphs = torch.compiler.disable(host_routing)
 
 

@@ -124,26 +124,54 @@ def make_plan(gate: Tensor, num_branches: int, device=None) -> Plan:
     device asynchronously; a device gate costs one readback (the counts and the validity check).
     ``device`` may be unindexed ("cuda" = the current CUDA device).
 
+    Under torch.compile the counts are symbolic (unbacked SymInts, bounded by the rows of the
+    gate): the graph holds every branch, run on however many rows the plan gives it.
+
     Under CUDA graph capture no plan can be made for a GPU (the readback, or the shipping from
     the host, cannot be captured): make it before capturing; gather and combine with it capture.
     """
+    return plan_and_offsets(gate, num_branches, device)[0]
+
+
+def plan_and_offsets(gate: Tensor, num_branches: int, device=None, at_least_one: bool = False):
+    """:func:`make_plan`, and the host tensor of its CSR offsets (``counts`` as data).
+    ``at_least_one``: the caller guarantees every branch a row (compiled code knows it then)."""
     check_tensor(gate, "gate")
     offsets, rows, row_offsets, row_branch, row_pos = ops.plan(gate.detach(), num_branches)
     target = normalize_device(device, gate.device)
     rows, row_offsets, row_branch, row_pos = to_device((rows, row_offsets, row_branch, row_pos), target)
-    bounds = offsets.tolist()  # offsets always live on the host: no sync
-    return Plan([b - a for a, b in zip(bounds, bounds[1:])], rows, row_offsets, row_branch, row_pos)
+    if torch.compiler.is_compiling():
+        counts = offsets.diff().tolist()
+        limit = gate.shape[0]
+        for c in counts:  # what the kernel guarantees, for the shapes of the branches' rows
+            torch._check(c >= (1 if at_least_one else 0))
+            torch._check(c <= limit)
+    else:
+        bounds = offsets.tolist()  # offsets always live on the host: no sync
+        counts = [b - a for a, b in zip(bounds, bounds[1:])]
+    return Plan(counts, rows, row_offsets, row_branch, row_pos), offsets
 
 
 # ----------------------------------------------------------------------------------------------
 # Fake kernels: shapes, dtypes, devices and layouts as the real kernels produce them.
 
 
+def _trailing_dense(t: Tensor, dims) -> bool:
+    expected = 1
+    for d in dims:
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return False
+        expected = expected * t.shape[d]
+    return True
+
+
 def row_format(t: Tensor) -> torch.memory_format:
-    """The layout the kernels give their outputs: channels_last stays channels_last."""
-    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+    """The layout the kernels give their outputs (csrc/row_layout.h): channels_last stays
+    channels_last. Read from the trailing strides only, so the answer never depends on the row
+    count (unknown while torch.compile traces)."""
+    if t.dim() == 4 and not _trailing_dense(t, (3, 2, 1)) and _trailing_dense(t, (1, 3, 2)):
         return torch.channels_last
-    if t.dim() == 5 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d):
+    if t.dim() == 5 and not _trailing_dense(t, (4, 3, 2, 1)) and _trailing_dense(t, (1, 4, 3, 2)):
         return torch.channels_last_3d
     return torch.contiguous_format
 
@@ -194,3 +222,8 @@ def _combine_fake(base, ys, weights, row_offsets, row_branch, row_pos):
 def _combine_weights_backward_fake(grad, ys, row_offsets, row_branch, row_pos):
     dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
     return grad.new_empty((row_offsets.shape[0] - 1, len(ys)), dtype=dtype)
+
+
+@torch.library.register_fake("maskedbranch::keep_draw")
+def _keep_draw_fake(order, n, keep_prob):
+    return torch.empty(n, dtype=torch.float32, device="cpu")

@@ -64,9 +64,11 @@ def normalize_gate(gate: Any, x: Tensor, n: int) -> Tuple[str, Any]:
     if gate.dim() == 0:
         if gate.dtype not in _INT_DTYPES:
             raise TypeError(f"gate: a 0-d gate must be an integer branch id, got dtype {gate.dtype}")
-        if gate.device.type == "cpu":
+        if gate.device.type == "cpu" and not torch.compiler.is_compiling():
             return normalize_gate(int(gate), x, n)
-        return "tensor", gate.expand(batch)  # a device scalar: read back once by the plan
+        # A device scalar (read back once by the plan), or data to torch.compile: the kernel
+        # checks the id's range.
+        return "tensor", gate.expand(batch)
     if gate.dim() == 1:
         if gate.dtype not in _INT_DTYPES:
             hint = f"; for a mask use shape [B, {n}]" if gate.dtype == torch.bool else ""
@@ -197,19 +199,23 @@ def _tied(table: Branches, live_mask: int, zeros: Optional[bool]) -> Tuple[Tenso
     """The tensors to tie into the output: the dead branches' parameters that require grad."""
     if zeros is None or not torch.is_grad_enabled():
         return ()
-    return tuple(t for t in table.tied(live_mask) if t.requires_grad)
+    tied = table.tied(live_mask)
+    if tied is None:  # a parameter or module was replaced since the table was made
+        table.refresh()
+        tied = table.tied(live_mask)
+    return tuple(t for t in tied if t.requires_grad)
 
 
 _PYTHON_REDUCER_TORCH = "2.13"  # tested on 2.13 and 2.14.1; on 2.6 the compiled backward differs from eager
 
 
-def _aliases(table: Branches, x: Tensor, zeros: Optional[bool], where: str):
+def _aliases(table: Branches, x: Tensor, zeros: Optional[bool], where: str, usage: Any = None, module: Any = None):
     """Under DDP's Python reducer (maskedbranch/_dead_grads.py) the branches run on aliases of
     ``x`` and of every branch parameter, made by one node (``_autograd.Alias``): each
     parameter's gradient then leaves the graph there, after the branches' backward, in the same
     order on every rank (zeros for the branches that did not run). Returns (x for the branches,
     {id(parameter): alias} or None, ``zeros`` for the tie at the output)."""
-    if not (zeros and torch.is_grad_enabled() and _dead_grads.canonical_order()):
+    if not (zeros and torch.is_grad_enabled() and _dead_grads.canonical_order(usage, module)):
         return x, None, zeros
     for i, (branch, params) in enumerate(zip(table.branches, table.params)):
         if params and not isinstance(getattr(branch, "branch", branch), torch.nn.Module):
@@ -256,62 +262,132 @@ def route(
     *,
     zeros: Optional[bool] = None,
     base: Optional[Tensor] = None,
-    scale: float = 1.0,
+    scale: Any = 1.0,
     signatures: Optional[Signatures] = None,
     where: str = "branches",
-) -> Tuple[Tensor, int]:
-    """``base + scale * sum_i g[:, i] * branch_i(x, ...)``, and the bit mask of the branches
-    that ran. ``zeros`` (maskedbranch/_dead_grads.py): None leaves the parameters of branches
-    that did not run out of the graph, True ties them with zero gradients, False with undefined
-    ones."""
+    usage: Any = None,
+    module: Any = None,
+) -> Tuple[Tensor, Any]:
+    """``base + scale * sum_i g[:, i] * branch_i(x, ...)``, and which branches ran: a bit mask
+    (an int) in eager mode, a bool tensor ``[N]`` under torch.compile. ``zeros``
+    (maskedbranch/_dead_grads.py): None leaves the parameters of branches that did not run out
+    of the graph, True ties them with zero gradients, False with undefined ones. ``usage`` /
+    ``module``: the calling module's record and the module (its binding).
+
+    Under torch.compile (and torch.export) the gate is data: which branches run and on how many
+    rows are not known while the graph is made, so every branch runs on its rows (none
+    included), with no shortcut that depends on them; an int gate is the whole batch's branch
+    id, as a tensor. The dead branches' parameters are then in the graph already (zero
+    gradients from their one zero-weighted row, see :func:`_padded_plan`), and nothing needs
+    tying."""
     kwargs = kwargs or {}
     n = len(table.branches)
     kind, gate = normalize_gate(gate, x, n)
     if args or kwargs:
         check_per_row_devices(args, kwargs, x)
     batch = x.shape[0]
+    compiling = torch.compiler.is_compiling()
     if kind == "int":
-        if gate >= 0:
-            return _one_branch(table, x, gate, args, kwargs, zeros, base, scale, signatures, where), 1 << gate
-        return _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where), 0
+        if compiling:
+            gate = torch.full((batch,), gate, dtype=torch.int64)
+        elif gate >= 0:
+            return _one_branch(table, x, gate, args, kwargs, zeros, base, scale, signatures, where, usage, module), 1 << gate
+        else:
+            return _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where), 0
 
-    plan = _ops.make_plan(gate, n, device=x.device)  # host counts; a device gate reads back once
+    plan, offsets = _ops.plan_and_offsets(gate, n, device=x.device)  # host counts; a device gate reads back once
     weights = gate if gate.dim() == 2 and gate.is_floating_point() else None
-    # torch.export traces with the counts unknown (symbolic): no shortcut can depend on them,
-    # and every branch runs on its rows, however many there turn out to be (none included).
-    known = type(plan.rows.shape[0]) is int  # (not a SymInt)
-    if known and weights is None and batch > 0 and plan.num_entries == batch and batch in plan.counts:
+    ran: Any = None
+    if compiling and batch > 0:
+        plan, weights, ran = _padded_plan(gate, n, offsets, weights, x)
+    if not compiling and weights is None and batch > 0 and plan.num_entries == batch and batch in plan.counts:
         # Every row goes to one branch, in order: run it on x itself (no gather, no copy).
         i = plan.counts.index(batch)
-        return _one_branch(table, x, i, args, kwargs, zeros, base, scale, signatures, where), 1 << i
-    if known and plan.num_entries == 0:
+        return _one_branch(table, x, i, args, kwargs, zeros, base, scale, signatures, where, usage, module), 1 << i
+    if not compiling and plan.num_entries == 0:
         return _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where), 0
 
-    x_in, aliases, zeros = _aliases(table, x, zeros, where)
+    x_in, aliases, zeros = _aliases(table, x, zeros, where, usage, module)
     xs = _rows_of(x_in, plan)
     routed_args, routed_kwargs = route_args(args, kwargs, batch, lambda t: _Parts(_rows_of(t, plan)))
     live: Dict[int, Tensor] = {}
     for i, c in enumerate(plan.counts):
-        if known and c == 0:
+        if not compiling and c == 0:
             continue  # the branch never sees a row
         a = tuple(v.parts[i] if isinstance(v, _Parts) else v for v in routed_args)
         kw = {k: v.parts[i] if isinstance(v, _Parts) else v for k, v in routed_kwargs.items()}
         live[i] = check_output(_run(table, i, aliases, xs[i], a, kw), f"{where}[{i}]", c)
-    _check_agreement(live, x, args, kwargs, signatures, where)
+    _check_agreement(live, x, args, kwargs, None if compiling else signatures, where)
     first = next(iter(live.values()))
     ys = [live[i] if i in live else first.new_empty((0, *first.shape[1:])) for i in range(n)]
     if len({y.dtype for y in ys} | ({base.dtype} if base is not None else set())) > 1:
         dtype = _common_dtype(ys, base)  # autocast: a low-precision branch on a float32 stream
         ys = [y.to(dtype) for y in ys]
         base = None if base is None else base.to(dtype)
-    if scale != 1.0:
+    if isinstance(scale, Tensor):  # compiled drop path: the factor as a 0-d tensor
+        dtype = torch.float64 if ys[0].dtype == torch.float64 else torch.float32
+        scaled = scale.to(device=x.device, dtype=dtype).expand(batch, 1).contiguous()
+        weights = scaled if weights is None else weights * scaled
+    elif scale != 1.0:
         dtype = torch.float64 if ys[0].dtype == torch.float64 else torch.float32
         weights = torch.full((batch, 1), scale, dtype=dtype, device=x.device) if weights is None else weights * scale
     elif weights is not None and weights.device != x.device:
         weights = weights.to(x.device, non_blocking=True)
-    live_mask = sum(1 << i for i in live)
-    out = _autograd.combine(ys, plan, weights=weights, base=base, tied=_tied(table, live_mask, zeros), zeros=bool(zeros))
-    return out, live_mask
+    if compiling:
+        tied: Tuple[Tensor, ...] = ()  # every branch is in the graph
+        ran = offsets.diff() > 0 if ran is None else ran
+    else:
+        ran = sum(1 << i for i in live)
+        tied = _tied(table, ran, zeros)
+    out = _autograd.combine(ys, plan, weights=weights, base=base, tied=tied, zeros=bool(zeros))
+    return out, ran
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled routing: no branch ever sees zero rows.
+
+
+def _as_mask(gate: Tensor, n: int) -> Tensor:
+    if gate.dim() == 1:
+        return gate.unsqueeze(1) == torch.arange(n, device=gate.device)  # -1 matches nothing
+    return gate if gate.dtype == torch.bool else gate != 0
+
+
+def _padded_plan(gate: Tensor, n: int, offsets: Tensor, weights: Optional[Tensor], x: Tensor):
+    """The plan of ``gate`` plus, for each branch that got no row, one entry of weight zero on
+    row 0, and the weights that go with it; and which branches really ran (a bool tensor).
+
+    Compiled code runs every branch, and a branch on zero rows fails in ways eager code never
+    meets: ``reshape(B, ..., -1)`` cannot infer a size from no elements (Swin's attention), and
+    some ops guard on the element count while the count is unknown (BatchNorm). With one row
+    each, the count is known to be at least 1. The extra row's output is weighted by zero (its
+    gradient too), so results are unchanged."""
+    dead = offsets.diff() == 0
+    live = _as_mask(gate, n)
+    dummy = torch.zeros_like(live)
+    dummy[0] = dead.to(live.device)
+    opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = live.to(opmath) if weights is None else weights
+    w = torch.where(dummy, torch.zeros((), dtype=w.dtype, device=w.device), w)
+    plan, _ = _ops.plan_and_offsets(live | dummy, n, device=x.device, at_least_one=True)
+    return plan, w, ~dead
+
+
+def _exporting() -> bool:
+    check = getattr(torch.compiler, "is_exporting", None)
+    return bool(check is not None and check())
+
+
+def record(usage: Any, ran: Any) -> None:
+    """Note in a module's record (maskedbranch/_usage.py) which branches a call ran."""
+    if _exporting():
+        return  # an exported program keeps no record (a mutation it would carry)
+    if isinstance(ran, Tensor):
+        usage.record_live(ran)
+    elif torch.compiler.is_compiling():
+        usage.record_traced_mask(ran)  # a Python attribute written in a graph would be a guard
+    else:
+        usage.record(ran)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,11 +459,11 @@ def _check_agreement(live: Dict[int, Tensor], x, args, kwargs, signatures: Optio
         signatures.learn(_input_key(x, args, kwargs), y0, i0, f"{where}[{i0}]")
 
 
-def _one_branch(table, x, k, args, kwargs, zeros, base, scale, signatures, where) -> Tensor:
+def _one_branch(table, x, k, args, kwargs, zeros, base, scale, signatures, where, usage=None, module=None) -> Tensor:
     """The whole batch through branch k, on x itself, then the tie (a copy, when any dead
     parameter needs a gradient)."""
-    label = f"{where}[{int(k)}]" if where == "branches" else where  # int(): dynamo may hand k over as a SymInt
-    x_in, aliases, zeros = _aliases(table, x, zeros, where)
+    label = f"{where}[{k}]" if where == "branches" else where
+    x_in, aliases, zeros = _aliases(table, x, zeros, where, usage, module)
     y = check_output(_run(table, k, aliases, x_in, args, kwargs), label, x.shape[0])
     if signatures is not None:
         signatures.learn(_input_key(x, args, kwargs), y, k, label)

@@ -1,63 +1,59 @@
 """What a routing module knows about its branches (their parameters, the parameters to tie for
-each set of live branches), computed once per module structure.
+each set of live branches), computed once and checked cheaply on use.
 
 Walking ``parameters()`` of every branch on every call costs more than a small branch's forward,
-so these facts are cached, with one invalidation rule: any registration of a module, parameter
-or buffer anywhere in the process (``add_module``, attribute assignment,
-``convert_sync_batchnorm``: PyTorch's global registration hooks), any ``_apply`` on a routing
-module or an ancestor (``.to()``, ``.half()``, which may replace parameter objects), and the
-``nn.ModuleList`` edits that register nothing (``del``, ``insert``) bump one global version; a
-cache computed under an older version is recomputed on its next use.
+so these facts are cached per module, and each cache checks its own validity: the branch list
+itself on every call (a few identity comparisons), and, before tying, where each tied parameter
+and each module above it is registered (:class:`Sites`), so that a parameter or submodule
+replaced by ``setattr``, ``load_state_dict(assign=True)`` or ``torch.func.functional_call`` is
+seen. Nothing here is process-wide: no registration hook, no global version.
 """
 from __future__ import annotations
 
+import operator
 import sys
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as _module
 
-_version = [0]
-
-
-def invalidate(*_args) -> None:
-    """Mark every cache stale. Also the registration hooks' signature (they must return None)."""
-    _version[0] += 1
+_is = operator.is_
 
 
-_module.register_module_module_registration_hook(invalidate)
-_module.register_module_parameter_registration_hook(invalidate)
-_module.register_module_buffer_registration_hook(invalidate)
+class Sites:
+    """Where some modules' submodules and parameters are registered: (dict, key, object) for
+    every entry in the ``_modules`` and ``_parameters`` of each module of their trees, and each
+    dict's length (a new entry shows too). :meth:`valid` costs a C-level pass over the entries."""
 
+    __slots__ = ("dicts", "keys", "objs", "owners", "lens")
 
-class InvalidatesOnApply:
-    """Mixin for routing modules: ``_apply`` may replace parameter objects without registering them."""
+    def __init__(self, modules: Sequence[Any]):
+        dicts: List[dict] = []
+        keys: List[str] = []
+        objs: List[Any] = []
+        owners: Dict[int, dict] = {}
+        seen, stack = set(), [m for m in modules if isinstance(m, nn.Module)]
+        while stack:
+            m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for d in (m._modules, m._parameters):
+                owners[id(d)] = d
+                for k, v in d.items():
+                    dicts.append(d)
+                    keys.append(k)
+                    objs.append(v)
+            stack.extend(c for c in m._modules.values() if c is not None)
+        self.dicts, self.keys, self.objs = tuple(dicts), tuple(keys), tuple(objs)
+        self.owners = tuple(owners.values())
+        self.lens = tuple(map(len, self.owners))
 
-    def _apply(self, fn, *args, **kwargs):
-        out = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
-        invalidate()
-        return out
-
-
-class RoutingModuleList(InvalidatesOnApply, nn.ModuleList):
-    """An ``nn.ModuleList`` of routed modules (MaskedBranch's branches, a LayerDrop owner's
-    layers): its edits that register nothing still refresh the caches, and a slice is a plain
-    ``nn.ModuleList`` of the modules, as ``nn.ModuleList`` gives it (not a second routing list,
-    which an empty slice could not even construct)."""
-
-    def __getitem__(self, idx):
-        if isinstance(idx, slice):
-            return nn.ModuleList(list(self._modules.values())[idx])
-        return super().__getitem__(idx)
-
-    def __delitem__(self, idx) -> None:
-        super().__delitem__(idx)
-        invalidate()
-
-    def insert(self, index: int, module: nn.Module) -> None:
-        super().insert(index, module)
-        invalidate()
+    def valid(self) -> bool:
+        return (
+            tuple(map(len, self.owners)) == self.lens
+            and all(map(_is, map(dict.get, self.dicts, self.keys), self.objs))
+        )
 
 
 # At most this many sets of live branches keep their tied parameters (a many-branch layer could
@@ -68,39 +64,103 @@ MAX_CACHED_SETS = 1024
 class Branches:
     """The branches of one routing module, each branch's parameters, and per set of live branches
     (a bit mask) the parameters to tie: those of the branches that did not run, less any that a
-    live branch shares (it gives them their gradient already)."""
+    live branch shares (it gives them their gradient already).
 
-    __slots__ = ("version", "branches", "params", "skippable", "_tied")
+    ``params`` given explicitly (a function branch with ``params=``, a timm residual) are the
+    caller's to keep current, unless ``modules`` names the module of each branch; otherwise they
+    are the modules' own. :meth:`tied` answers None once any watched parameter, or a module
+    above it in a branch, was replaced."""
 
-    def __init__(self, branches: Sequence, version: int = -1, params: "Sequence[Sequence[Tensor]] | None" = None):
-        self.version = version
+    __slots__ = ("branches", "params", "skippable", "epoch", "_tied", "_watch", "_sites")
+
+    def __init__(self, branches: Sequence, params: "Sequence[Sequence[Tensor]] | None" = None,
+                 modules: "Sequence[Any] | None" = None, epoch: int = -1):
         self.branches = list(branches)
+        self.epoch = epoch  # the epoch (maskedbranch/_dead_grads.py) of the last check in depth
+        self._sites: Optional[Sites] = None
+        self._watch = list(modules) if modules is not None else (self.branches if params is None else None)
         if params is None:
             params = [tuple(b.parameters()) if isinstance(b, nn.Module) else () for b in self.branches]
         self.params: List[Tuple[Tensor, ...]] = [tuple(ps) for ps in params]
         self.skippable: "bool | None" = None  # set once the collectives check passed
-        self._tied: Dict[int, Tuple[Tensor, ...]] = {}
+        self._tied: Dict[int, Tuple[Tuple[Tensor, ...], Optional[Sites]]] = {}
 
-    def tied(self, live_mask: int) -> Tuple[Tensor, ...]:
+    def refresh(self) -> None:
+        """Read the branches' parameters again (after :meth:`tied` found one replaced)."""
+        if self._watch is not None:
+            self.params = [tuple(m.parameters()) if isinstance(m, nn.Module) else () for m in self._watch]
+        self._tied.clear()
+
+    def still_valid(self, epoch: int) -> bool:
+        """Checked in depth (every module and parameter of the branches) once per ``epoch``: the
+        first use after each optimizer step or change of data-parallel wrapper, so that a
+        submodule replaced deep inside a branch (``convert_sync_batchnorm``) is seen."""
+        if self.epoch == epoch:
+            return True
+        if self._watch is not None:
+            if self._sites is None:
+                self._sites = Sites(self._watch)
+            elif not self._sites.valid():
+                return False
+        self.epoch = epoch
+        return True
+
+    def same_branches(self, modules: Dict[str, Any]) -> bool:
+        """Whether ``modules`` (a ModuleList's ``_modules``) still holds exactly these branches."""
+        return len(modules) == len(self.branches) and all(map(_is, modules.values(), self.branches))
+
+    def tied(self, live_mask: int) -> Optional[Tuple[Tensor, ...]]:
+        """The parameters to tie when the branches of ``live_mask`` ran; None when the cache is
+        stale (rebuild it)."""
         found = self._tied.get(live_mask)
         if found is None:
+            if self._watch is not None:  # read now, with the Sites made from the same registrations
+                self.params = [tuple(m.parameters()) if isinstance(m, nn.Module) else () for m in self._watch]
             live_ids = {id(p) for i, ps in enumerate(self.params) if live_mask >> i & 1 for p in ps}
             out: Dict[int, Tensor] = {}
+            dead = []
             for i, ps in enumerate(self.params):
                 if not live_mask >> i & 1:
                     out.update((id(p), p) for p in ps if id(p) not in live_ids)
-            found = tuple(out.values())
+                    if self._watch is not None:
+                        dead.append(self._watch[i])
+            found = (tuple(out.values()), Sites(dead) if dead and out else None)
             if len(self._tied) < MAX_CACHED_SETS:
                 self._tied[live_mask] = found
-        return found
+        tensors, sites = found
+        if sites is not None and not sites.valid():
+            return None
+        return tensors
 
 
-def current(cache: "Branches | None") -> bool:
-    return cache is not None and cache.version == _version[0]
+class CacheOwner:
+    """Mixin for modules that cache facts about their parameters: ``_apply`` (``.to()``,
+    ``.half()``) and ``load_state_dict`` may replace parameter objects, so both drop the caches
+    outright (``_drop_caches``), on this module and on any ancestor's call."""
+
+    def _drop_caches(self) -> None:
+        """What the module derived from its parameters is forgotten (subclasses override)."""
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+        self._drop_caches()
+        return out
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)  # type: ignore[misc]
+        self._drop_caches()
 
 
-def version() -> int:
-    return _version[0]
+class RoutingModuleList(CacheOwner, nn.ModuleList):
+    """An ``nn.ModuleList`` of routed modules (MaskedBranch's branches, a LayerDrop owner's
+    layers). A slice is a plain ``nn.ModuleList`` of the modules, as ``nn.ModuleList`` gives it
+    (not a second routing list, which an empty slice could not even construct). Its caches check
+    the list itself on use."""
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return nn.ModuleList(list(self._modules.values())[idx])
+        return super().__getitem__(idx)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from . import _autograd, _compat, _dead_grads, _route, _structure, unused_grads
+from . import _autograd, _compat, _dead_grads, _route, _structure, _usage, _wiring, unused_grads
 
 __all__ = ["MaskedBranch", "masked_branch"]
 
@@ -90,7 +90,8 @@ class MaskedBranch(_structure.RoutingModuleList):
         self.materialize_grads = _check_materialize(materialize_grads)
         self._cache: Optional[_structure.Branches] = None
         self._signatures = _route.Signatures()
-        self._usage = unused_grads.Usage()
+        self._usage = _usage.Usage()
+        self._usage.ensure(len(mods))
         self.register_load_state_dict_pre_hook(_load_old_layout)
         unused_grads.register(self)
 
@@ -98,62 +99,74 @@ class MaskedBranch(_structure.RoutingModuleList):
     def num_branches(self) -> int:
         return len(self._modules)
 
+    def _drop_caches(self) -> None:
+        self._cache = None
+
     def _branches(self) -> _structure.Branches:
         if _compat.tracing():
-            # Built afresh (see _compat.tracing). Under torch.compile, reading the cache's version
-            # would make the global structure version a guard, and Dynamo's own graph modules
-            # bump it (they register submodules), so every compilation would recompile every
-            # routed frame; Dynamo guards on parameters itself.
+            # Built afresh (see _compat.tracing): under torch.compile a cache read would become
+            # a guard, and torch.func.functional_call swaps parameters in for one call.
             _structure.check_skippable(list(self._modules.values()), "branches")
             return _structure.Branches(self._modules.values())
         cache = self._cache
-        if not _structure.current(cache):
+        if cache is None or not cache.same_branches(self._modules) or not cache.still_valid(_dead_grads.epoch()):
             _structure.check_skippable(list(self._modules.values()), "branches")
-            cache = _structure.Branches(self._modules.values(), _structure.version())
+            if cache is not None:
+                _wiring.forget_layouts()  # the units changed: wrappers make their layouts again
+            cache = _structure.Branches(self._modules.values())
+            cache.still_valid(_dead_grads.epoch())
+            self._usage.ensure(len(cache.branches))
             if not torch.compiler.is_compiling():  # torch.export (strict) refuses module mutation
                 self._cache = cache
         return cache
 
     def _unit_modules(self) -> List[nn.Module]:
-        """The units whose use ``_usage`` records (bit i: branch i), for the step-time pruning."""
+        """The units whose use ``_usage`` records (bit i: branch i), for the reset of unused
+        gradients (maskedbranch/unused_grads.py)."""
         return list(self._modules.values())
 
     def _units(self) -> List[Sequence[Tensor]]:
         return [tuple(b.parameters()) for b in self._modules.values()]
 
     def forward(self, x: Tensor, gate: Any, *args: Any, **kwargs: Any) -> Tensor:
-        cache = self._cache
-        if (
-            type(gate) is int and not args and not kwargs and type(x) is Tensor
-            and not _compat.tracing() and _structure.current(cache)  # see _branches
-            and 0 <= gate < len(cache.branches) and x.dim() > 0
-        ):
+        if type(gate) is int and not args and not kwargs and type(x) is Tensor and not _compat.tracing() and self._cache is not None:
             # The per-batch int gate, the common case of routed layers, straight to the branch:
             # route()'s own int path less its argument handling, which costs more than the rest
-            # of the call for small branches.
+            # of the call for small branches. The policy first: a new wrapper makes the cache
+            # check itself in depth.
             grad = torch.is_grad_enabled()
-            zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch") if grad else None
-            if not (zeros and _dead_grads.canonical_order()):  # else route() runs on aliases
+            usage = self._usage
+            zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch", usage) if grad else None
+            cache = self._cache
+            if (
+                cache.epoch == _dead_grads.epoch() and cache.same_branches(self._modules)
+                and 0 <= gate < len(cache.branches) and x.dim() > 0
+                and not (zeros and _dead_grads.canonical_order(usage))  # else route() runs on aliases
+            ):
                 y = cache.branches[gate](x)
                 if type(y) is not Tensor or y.dim() == 0 or y.shape[0] != x.shape[0]:
                     _route.check_output(y, f"branches[{gate}]", x.shape[0])
                 if grad:
                     if zeros is not None:
-                        tied = [p for p in cache.tied(1 << gate) if p.requires_grad]
+                        tied = _route._tied(cache, 1 << gate, zeros)
                         if tied:
                             y = _autograd.tie(y, tied, zeros)
-                    self._usage.record(1 << gate)
+                        _dead_grads.after_call(usage, y)
+                    usage.bits |= 1 << gate
                 return y
         if _route.traced(x, gate):
             return _route.route_traced(list(self._modules.values()), x, gate, args, kwargs)
         _route.check_x(x)
+        zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch", self._usage, self)
         table = self._branches()
-        zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch")
-        out, live_mask = _route.route(
-            table, x, gate, args, kwargs, zeros=zeros, signatures=self._signatures, where="branches"
+        out, ran = _route.route(
+            table, x, gate, args, kwargs, zeros=zeros, signatures=self._signatures, where="branches",
+            usage=self._usage, module=self,
         )
         if torch.is_grad_enabled():
-            self._usage.record(live_mask)
+            _route.record(self._usage, ran)
+            if zeros is not None and not torch.compiler.is_compiling():
+                _dead_grads.after_call(self._usage, out)
         return out
 
     def __prepare_scriptable__(self) -> nn.Module:
@@ -171,7 +184,8 @@ class MaskedBranch(_structure.RoutingModuleList):
         # copy.deepcopy and pickle: caches and usage start fresh, and the copy is registered
         super().__setstate__(state)
         self._cache = None
-        self._usage = unused_grads.Usage()
+        self._usage = _usage.Usage()
+        self._usage.ensure(len(self._modules))
         unused_grads.register(self)
 
 
@@ -194,7 +208,7 @@ def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any
     _route.check_x(x)
     _structure.check_skippable(branch_list, "branches")
     zeros = _dead_grads.tie_policy(None, "masked_branch")
-    out, live_mask = _route.route(_structure.Branches(branch_list), x, gate, args, kwargs, zeros=zeros)
+    out, ran = _route.route(_structure.Branches(branch_list), x, gate, args, kwargs, zeros=zeros)
     if zeros is not None and torch.is_grad_enabled():
-        unused_grads.record_functional(branch_list, live_mask)  # for the step-time pruning
+        _usage.record_functional(branch_list, ran, out)  # for the reset of unused gradients
     return out

@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
 # Sanitizer run: builds the CPU kernels with AddressSanitizer and UndefinedBehaviorSanitizer
 # (-fsanitize=address,undefined, out of tree: nothing in the repository or in any installed
-# build changes) and runs the op tests against that build. Fails on any sanitizer report.
+# build changes) and runs the op tests against that build; builds the CUDA kernels' host
+# emulation the same way (tests/cuda_emu) and runs every CUDA kernel under the sanitizers. Fails
+# on any sanitizer report.
 #
 #   bash scripts/sanitize.sh [TEST_FILE...]
 #
 # Default tests: tests/test_ops.py (the op tests), tests/test_bad_inputs.py (every error path of
 # the kernels' argument checks), tests/test_masked_branch.py (the module's direct C++ entry
-# points: anchors into history, shared dead-parameter nodes, signature capsules) and
+# points: anchors into history, shared dead-parameter nodes, signature capsules),
 # tests/test_fuzz.py at half its examples (odd shapes, layouts and gate patterns through the
-# kernels; MASKEDBRANCH_FUZZ_SCALE overrides the 0.5).
+# kernels; MASKEDBRANCH_FUZZ_SCALE overrides the 0.5), and tests/cuda_emu: csrc/cuda's kernels
+# compiled for the host against tests/cuda_emu/cuda_emulation.h and compared with the CPU kernels
+# and the reference; the run fails unless every __global__ function, and every instantiation
+# the launch code can start, ran (tests/emu_hooks.py prints the count). The emulation is built only
+# when a test under tests/cuda_emu is asked for.
 #
 # Knobs (environment):
 #   PYTHON              interpreter with torch, pytest, hypothesis, expecttest and ninja
@@ -25,8 +31,8 @@
 # off (the interpreter never frees everything); every other ASan/UBSan error halts the run with a
 # non-zero status (-fno-sanitize-recover, halt_on_error). Before the real run, two canaries (a
 # heap overflow and a signed-integer overflow in a small library loaded the same way) must be
-# reported, so a silently broken set-up cannot pass. The CUDA kernels are checked by
-# compute-sanitizer instead (benchmarks/gpu_check.sh).
+# reported, so a silently broken set-up cannot pass. On a GPU, compute-sanitizer checks the CUDA
+# kernels themselves (benchmarks/gpu_check.sh).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -36,7 +42,7 @@ fi
 BUILD=${SANITIZE_BUILD_DIR:-$ROOT/build/sanitize}
 CXX=${CXX:-c++}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-if [[ $# -gt 0 ]]; then TESTS=("$@"); else TESTS=(tests/test_ops.py tests/test_ops_checks.py tests/test_bad_inputs.py tests/test_masked_branch.py tests/test_fuzz.py); fi
+if [[ $# -gt 0 ]]; then TESTS=("$@"); else TESTS=(tests/test_ops.py tests/test_ops_checks.py tests/test_bad_inputs.py tests/test_masked_branch.py tests/test_fuzz.py tests/cuda_emu); fi
 export MASKEDBRANCH_FUZZ_SCALE=${MASKEDBRANCH_FUZZ_SCALE:-0.5}
 
 note() { printf -- '-- %s\n' "$*"; }
@@ -99,6 +105,30 @@ so=$(find "$BUILD/lib/maskedbranch" -maxdepth 1 -name '_C*.so' | head -n 1)
 [[ -n $so ]] || die "no maskedbranch/_C*.so under $BUILD/lib"
 nm -D "$so" | grep __asan_ > /dev/null || die "$so is not instrumented"  # (no grep -q: SIGPIPE + pipefail)
 
+# 2b. The CUDA kernels' host emulation, with the same flags, when its tests are asked for.
+emu_env=()
+for t in "${TESTS[@]}"; do
+  [[ $(cd "$ROOT" && realpath -m "$t") == "$ROOT/tests/cuda_emu"* ]] || continue
+  note "building the CUDA kernels' host emulation with the sanitizers (log: $BUILD/cuda_emu.log)"
+  t0=$SECONDS
+  if ! "$PYTHON" "$ROOT/tests/cuda_emu/build.py" --out "$BUILD/cuda_emu" --cflags="$SAN_FLAGS" \
+      --ldflags="-fsanitize=address,undefined" > "$BUILD/cuda_emu.log" 2>&1; then
+    tail -n 60 "$BUILD/cuda_emu.log"
+    die "emulation build failed"
+  fi
+  emu_lib=$(tail -n 1 "$BUILD/cuda_emu.log")
+  [[ -f $emu_lib ]] || die "the emulation build named no library: $emu_lib"
+  nm -D "$emu_lib" | grep __asan_ > /dev/null || die "$emu_lib is not instrumented"
+  note "build took $((SECONDS - t0)) s: $emu_lib"
+  # REQUIRED: a missing library fails instead of skipping; SANITIZED: the tests that expect an
+  # AddressSanitizer report run; COVERAGE: when the whole folder runs, every kernel must have run.
+  emu_env=(MASKEDBRANCH_CUDA_EMU_LIB="$emu_lib" MASKEDBRANCH_CUDA_EMU_REQUIRED=1 MASKEDBRANCH_CUDA_EMU_SANITIZED=1)
+  for u in "${TESTS[@]}"; do
+    if [[ $(cd "$ROOT" && realpath -m "$u") == "$ROOT/tests/cuda_emu" ]]; then emu_env+=(MASKEDBRANCH_CUDA_EMU_COVERAGE=1); fi
+  done
+  break
+done
+
 # 3. A package of the Python sources plus the instrumented library, imported ahead of any install.
 pkg=$BUILD/pkg
 rm -rf "$pkg" && mkdir -p "$pkg"
@@ -121,8 +151,8 @@ note "pytest ${TESTS[*]} (ASan + UBSan; log: $BUILD/test.log)"
 # 2 by the sanitizer runtime, just before it halts the process) reaches the log instead of
 # vanishing with pytest's captured output.
 set +e
-(cd "$run_dir" && PYTHONPATH="$pkg" LD_PRELOAD="$SAN_PRELOAD" "$PYTHON" -m pytest -q --capture=sys \
-  -p no:cacheprovider --rootdir="$ROOT" "${abs_tests[@]}") 2>&1 | tee "$BUILD/test.log"
+(cd "$run_dir" && env PYTHONPATH="$pkg" LD_PRELOAD="$SAN_PRELOAD" "${emu_env[@]}" "$PYTHON" -m pytest -q \
+  --capture=sys -p no:cacheprovider --rootdir="$ROOT" "${abs_tests[@]}") 2>&1 | tee "$BUILD/test.log"
 rc=${PIPESTATUS[0]}
 set -e
 if grep -Eq "$REPORT" "$BUILD/test.log"; then

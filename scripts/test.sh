@@ -9,7 +9,10 @@
 #   (d) builds the CPU kernels against torch 2.6.0, the declared floor (.venv-floor), and runs the
 #       whole suite there;
 #   (e) builds the CPU kernels with AddressSanitizer + UndefinedBehaviorSanitizer (out of tree,
-#       in .venv-cpu) and runs the op, bad-input, MaskedBranch and fuzz tests under them (scripts/sanitize.sh).
+#       in .venv-cpu) and runs the op, bad-input, MaskedBranch and fuzz tests under them; builds the
+#       CUDA kernels (csrc/cuda) for the host against an emulation of the CUDA threads
+#       (tests/cuda_emu) with the same sanitizers and runs every one of them against the CPU kernels
+#       and the reference (scripts/sanitize.sh).
 # Every part runs even when an earlier one fails; the exit status is non-zero if any failed.
 # Default order a b c e d: each part reports the free disk space before it starts, and under CI
 # (CI=true) an environment is deleted as soon as no later part needs it, so the peak is one CUDA
@@ -290,10 +293,11 @@ part_d() {
     "torchvision==0.21.0" "${INTEGRATION_DEPS[@]}"
 }
 
-# (e) Sanitizers. A separate instrumented build of the CPU kernels (its own build folder; the
-# installed build of (c) is untouched), the tests run against it; any report fails the part.
+# (e) Sanitizers. Separate instrumented builds of the CPU kernels and of the CUDA kernels' host
+# emulation (their own build folder; the installed build of (c) is untouched), the tests run
+# against them; any report fails the part, and so does a CUDA kernel that never ran.
 part_e() {
-  banner "Part (e): ASan+UBSan build of the CPU kernels + op tests (scripts/sanitize.sh)"
+  banner "Part (e): ASan+UBSan builds of the CPU kernels and of the CUDA kernels on the host + op tests (scripts/sanitize.sh)"
   ensure_venv "$VENV_CPU" "$TORCH_CPU_SPEC" "${TEST_DEPS[@]}" || return 1
   PYTHON="$VENV_CPU/bin/python" SANITIZE_BUILD_DIR="$VENV_CPU/build-sanitize" bash "$ROOT/scripts/sanitize.sh"
 }

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import harness
+from emu_hooks import pytest_generate_tests, pytest_sessionfinish, suite_schedule  # noqa: F401 - the emulation tests' hooks
 
 
 @pytest.fixture(params=harness.DEVICES)

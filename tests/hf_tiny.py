@@ -62,6 +62,8 @@ def series():
 FAMILIES = {
     "wav2vec2": ("Wav2Vec2Model", "Wav2Vec2Config", dict(AUDIO, **ADAPTER), wav),
     "wav2vec2-stable": ("Wav2Vec2Model", "Wav2Vec2Config", STABLE, wav),
+    # SpecAugment off: masked_spec_embed is unused in every step (the patch ties it in)
+    "wav2vec2-nospec": ("Wav2Vec2Model", "Wav2Vec2Config", dict(AUDIO, apply_spec_augment=False), wav),
     "hubert": ("HubertModel", "HubertConfig", AUDIO, wav),
     "hubert-stable": ("HubertModel", "HubertConfig", STABLE, wav),
     "unispeech": ("UniSpeechModel", "UniSpeechConfig", AUDIO, wav),

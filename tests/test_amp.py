@@ -203,7 +203,7 @@ def test_residual_low_precision_branch_on_float32_stream_without_autocast(mode, 
             return self.f(x.to(dtype))
 
     torch.manual_seed(0)
-    block = mb.ResidualDropPath(LowPrecision(), 0.5, mode).train()
+    block = mb.ResidualDropPath(LowPrecision(), 0.5, mode=mode).train()
     x = torch.randn(B, D)
     for seed in range(3):
         gen = torch.Generator().manual_seed(seed)

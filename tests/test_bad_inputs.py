@@ -121,6 +121,7 @@ def _(w):
     m = MaskedBranch([bn_branch(), bn_branch()]).to(w.device)
     m(w.x.detach(), 1)
     m = w.track(nn.SyncBatchNorm.convert_sync_batchnorm(m))
+    torch.optim.SGD(m.parameters(), lr=0.1).step()  # caches are checked in depth after each step
     return lambda: m(w.x, 0)
 
 
@@ -210,7 +211,7 @@ call("drop_add_residual/branch not callable", TypeError, r"^branch: expected a c
 call("drop_add_residual/drop_prob=1.01", ValueError, r"^drop_prob: expected a probability in \[0, 1\], got 1\.01",
       lambda w: drop_add_residual(w.x, w.res.branch, 1.01, True, generator=w.gen))
 call("drop_add_residual/unknown mode", ValueError, r"^mode: expected 'row' .* or 'batch' .*, got 'layer'",
-      lambda w: drop_add_residual(w.x, w.res.branch, 0.5, True, "layer", generator=w.gen))
+      lambda w: drop_add_residual(w.x, w.res.branch, 0.5, True, mode="layer", generator=w.gen))
 call("drop_add_residual/generator on a GPU", ValueError, r"^generator: expected a CPU torch\.Generator, got one on cuda",
       lambda w: drop_add_residual(w.x, w.res.branch, 0.5, True, generator=cuda_generator()))
 call("drop_add_residual/integer x", TypeError, r"^x: expected a floating-point tensor.*got dtype torch\.int32",

@@ -54,7 +54,7 @@ class Net(nn.Module):
         self.masked, self.mode = masked, mode
         self.inp = nn.Linear(5, WIDTH)
         self.blocks = nn.ModuleList(
-            (mb.ResidualDropPath(make_branch(), p, mode, generator=generator(seed + i), **({} if m else {"materialize_grads": m}))
+            (mb.ResidualDropPath(make_branch(), p, mode=mode, generator=generator(seed + i), **({} if m else {"materialize_grads": m}))
              if masked else ReferenceResidual(make_branch(), p, mode, generator(seed + i), dense=m is True))
             for i, (p, m) in enumerate(BLOCKS)
         )

@@ -54,7 +54,7 @@ class Net(nn.Module):
         self.experts = nn.ModuleList(make_branch() for _ in range(N))
         generator = torch.Generator().manual_seed(seed)
         if masked:
-            self.block = mb.ResidualDropPath(make_branch(), 0.5, "batch", generator=generator)
+            self.block = mb.ResidualDropPath(make_branch(), 0.5, mode="batch", generator=generator)
         else:
             self.block = nn.Module()
             self.block.branch = make_branch()
@@ -174,9 +174,16 @@ def scenario_refusals(rank, group):
     except RuntimeError as e:
         out["undefined"] = str(e)
     try:  # a function with params= cannot run on aliases of its parameters
-        lin = nn.Linear(D, D)
-        mb.drop_add_residual(torch.ones(2, D), lambda h: lin(h), 0.01, True, "row", params=lin.parameters(),
-                             generator=torch.Generator().manual_seed(1))
+        class Functional(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(D, D)
+
+            def forward(self, x):
+                return mb.drop_add_residual(x, lambda h: self.lin(h), 0.01, True, params=self.lin.parameters(),
+                                            generator=torch.Generator().manual_seed(1))
+
+        DDP(Functional(), process_group=group)(torch.ones(2, D))
         out["function"] = "no error"
     except RuntimeError as e:
         out["function"] = str(e)

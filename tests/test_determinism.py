@@ -153,9 +153,9 @@ def s_residual(device, mode, module):
     (branch,) = branches(device, linear=False)[:1]
     g = torch.Generator().manual_seed(8)
     if module:
-        out = mb.ResidualDropPath(branch, 0.3, mode, generator=g)(x)
+        out = mb.ResidualDropPath(branch, 0.3, mode=mode, generator=g)(x)
     else:
-        out = mb.drop_add_residual(x, branch, 0.3, True, mode, generator=g)
+        out = mb.drop_add_residual(x, branch, 0.3, True, mode=mode, generator=g)
     return _collect(out, t["grad"], {"x": x}, [branch])
 
 

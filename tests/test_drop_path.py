@@ -55,7 +55,7 @@ def forward_backward(fn, x0, branch, grad_seed):
 def run_both(x0, branch, p, mode, scale_by_keep, seed, args=(), kwargs=None):
     """maskedbranch's residual and the dense formula under the same mask: outputs and grads."""
     got = forward_backward(
-        lambda x: mb.drop_add_residual(x, branch, p, True, mode, scale_by_keep, gen(seed), args=args, kwargs=kwargs),
+        lambda x: mb.drop_add_residual(x, branch, p, True, mode=mode, scale_by_keep=scale_by_keep, generator=gen(seed), args=args, kwargs=kwargs),
         x0, branch, seed + 1000,
     )
     mask = draw(x0.shape[0] if mode == "row" else 1, 1.0 - p, seed).expand(x0.shape[0])
@@ -162,7 +162,7 @@ def test_batch_kept_fraction_within_binomial_bound(p):
     g, n, keep = gen(9), 2000, 1.0 - p
     x = torch.randn(2, 3)
     for _ in range(n):
-        mb.drop_add_residual(x, lambda t: (calls.append(1), t)[1], p, True, "batch", generator=g)
+        mb.drop_add_residual(x, lambda t: (calls.append(1), t)[1], p, True, mode="batch", generator=g)
     assert abs(len(calls) - n * keep) <= 5 * math.sqrt(n * keep * (1 - keep))
 
 
@@ -178,7 +178,7 @@ def test_mean_output_tends_to_undropped():
         assert ((mean - (x + y)).abs() <= 5 * y.abs() * math.sqrt(p / (1 - p) / n) + 1e-9).all()
         mean = mb.drop_add_residual(xs, branch, p, True, scale_by_keep=False, generator=gen(22)).view(n, 8, 6).mean(0)
         assert ((mean - (x + (1 - p) * y)).abs() <= 5 * y.abs() * math.sqrt(p * (1 - p) / n) + 1e-9).all()
-        total = sum(mb.drop_add_residual(x, branch, p, True, "batch", generator=gen(23 + k)) for k in range(2000))
+        total = sum(mb.drop_add_residual(x, branch, p, True, mode="batch", generator=gen(23 + k)) for k in range(2000))
         assert ((total / 2000 - (x + y)).abs() <= 5 * y.abs() * math.sqrt(p / (1 - p) / 2000) + 1e-9).all()
 
 
@@ -198,7 +198,7 @@ def test_tiny_keep_float16_no_nan():
     x = torch.ones(64, 3, dtype=torch.float16)
     for mode in ("row", "batch"):
         assert not mb.drop_path(x, 1 - 1e-6, True, mode=mode, generator=gen(0)).isnan().any()
-        assert not mb.drop_add_residual(x, torch.neg, 1 - 1e-6, True, mode, generator=gen(0)).isnan().any()
+        assert not mb.drop_add_residual(x, torch.neg, 1 - 1e-6, True, mode=mode, generator=gen(0)).isnan().any()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,9 +255,9 @@ def test_everything_dropped(mode, materialize):
         x = torch.randn(6, 4, requires_grad=True)
         kw = {} if materialize is True else {"materialize_grads": materialize}
         if form == "function":
-            out = mb.drop_add_residual(x, branch, 1.0, True, mode, **kw)
+            out = mb.drop_add_residual(x, branch, 1.0, True, mode=mode, **kw)
         else:
-            out = mb.ResidualDropPath(branch, 1.0, mode, **kw)(x)
+            out = mb.ResidualDropPath(branch, 1.0, mode=mode, **kw)(x)
         assert branch.inputs == [] and torch.equal(out, x) and out.data_ptr() != x.data_ptr()
         out.sum().backward()
         assert torch.equal(x.grad, torch.ones_like(x))
@@ -267,7 +267,7 @@ def test_everything_dropped(mode, materialize):
 
 
 def test_skipped_branch_after_a_conversion_replaced_its_parameters():
-    block = mb.ResidualDropPath(CountingBranch(), 1.0, "batch")
+    block = mb.ResidualDropPath(CountingBranch(), 1.0, mode="batch")
     block(torch.randn(6, 4, requires_grad=True))
     with conversions_replace_parameters():
         block.double()
@@ -279,7 +279,7 @@ def test_output_can_be_modified_in_place():
     branch = CountingBranch()
     for p, mode in ((1.0, "row"), (1.0, "batch"), (0.5, "row"), (0.0, "row")):
         x = torch.randn(8, 4, requires_grad=True)
-        out = mb.drop_add_residual(x * 1, branch, p, True, mode, generator=gen(3))
+        out = mb.drop_add_residual(x * 1, branch, p, True, mode=mode, generator=gen(3))
         ref = dense_residual(x * 1, branch, draw(8 if mode == "row" else 1, 1 - p, 3).expand(8), 1 - p)
         out.relu_()  # e.g. ResNet's in-place ReLU after the residual add
         torch.testing.assert_close(out, ref.relu())
@@ -351,7 +351,7 @@ def test_residual_module_eval_repr_state_and_copies():
     branch = mlp()
     block = mb.ResidualDropPath(branch, 0.25)
     assert "drop_prob=0.250, mode=row" in repr(block)
-    assert "scale_by_keep=False" in repr(mb.ResidualDropPath(mlp(), 0.1, "batch", False))
+    assert "scale_by_keep=False" in repr(mb.ResidualDropPath(mlp(), 0.1, mode="batch", scale_by_keep=False))
     assert list(block.state_dict()) == [f"branch.{k}" for k in branch.state_dict()]
     x = torch.randn(4, 3, 8)
     torch.testing.assert_close(block.eval()(x), x + branch(x))
@@ -385,7 +385,7 @@ def test_cuda_matches_dense_without_sync(mode):
             x = x0.clone().requires_grad_(True)
             torch.cuda.set_sync_debug_mode("error")
             try:
-                out = mb.drop_add_residual(x, branch, p, True, mode, generator=gen(seed))
+                out = mb.drop_add_residual(x, branch, p, True, mode=mode, generator=gen(seed))
                 out.backward(gy)
                 y = mb.drop_path(x0, p, True, mode=mode, generator=gen(seed))
             finally:

@@ -189,7 +189,7 @@ class ResidualNet(nn.Module):
         # (drop_prob, materialize_grads): the default (timm's dense formula) and None (the block
         # that skips its branch; pruned when every rank dropped it)
         self.blocks = nn.ModuleList(
-            mb.ResidualDropPath(make_branch(), p, mode, generator=torch.Generator().manual_seed(seed + i), **({} if m else {"materialize_grads": m}))
+            mb.ResidualDropPath(make_branch(), p, mode=mode, generator=torch.Generator().manual_seed(seed + i), **({} if m else {"materialize_grads": m}))
             if masked else ReferenceResidual(make_branch(), p, mode, torch.Generator().manual_seed(seed + i), dense=m is True)
             for i, (p, m) in enumerate(((0.5, True), (0.95, None), (0.7, True)))
         )

@@ -142,14 +142,16 @@ def test_drop_path(batch, trailing, dtype, layout, p, mode, scale_by_keep, train
     grad_out = make_x(gen, batch, trailing, dtype, "contiguous")
     g = torch.Generator().manual_seed(seed)
     if module:
-        m = mb.DropPath(p, scale_by_keep, mode, generator=g).train(training)
+        m = mb.DropPath(p, scale_by_keep=scale_by_keep, mode=mode, generator=g).train(training)
         out = m(x)
     else:
-        out = mb.drop_path(x, p, training, scale_by_keep, mode, generator=g)
+        out = mb.drop_path(x, p, training, scale_by_keep=scale_by_keep, mode=mode, generator=g)
     if not training or p == 0.0:
         assert out is x
         return
-    coef = (_mask(batch, p, mode, seed, dtype).double() * _factor(p, scale_by_keep, dtype)).to(dtype)
+    mask = _mask(batch, p, mode, seed, dtype).double()
+    # (where, not a product: a factor beyond the dtype's range is inf, and 0 * inf is nan)
+    coef = torch.where(mask != 0, torch.tensor(_factor(p, scale_by_keep, dtype), dtype=torch.float64), 0.0).to(dtype)
     assert set(coef.unique().tolist()) <= {0.0, _factor(p, scale_by_keep, dtype)}
     x_r = x.detach().clone().requires_grad_(True)
     want = x_r * coef.reshape(-1, *([1] * len(trailing)))

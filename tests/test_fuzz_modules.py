@@ -142,9 +142,9 @@ def test_residual(batch, trailing, dtype, layout, p, mode, scale_by_keep, traini
     g = torch.Generator().manual_seed(seed)
     b_m = copy.deepcopy(branch)
     if module:
-        out = mb.ResidualDropPath(b_m, p, mode, scale_by_keep, generator=g, materialize_grads=materialize).train(training)(x)
+        out = mb.ResidualDropPath(b_m, p, mode=mode, scale_by_keep=scale_by_keep, generator=g, materialize_grads=materialize).train(training)(x)
     else:
-        out = mb.drop_add_residual(x, b_m, p, training, mode, scale_by_keep, g, materialize_grads=materialize)
+        out = mb.drop_add_residual(x, b_m, p, training, mode=mode, scale_by_keep=scale_by_keep, generator=g, materialize_grads=materialize)
     assert out.shape == x.shape and out.dtype == dtype
 
     if training and p > 0:

@@ -143,7 +143,7 @@ def make_steps(backward: bool = True):
 
     def residual_function(i):
         x = x0.clone().requires_grad_(True)
-        run(mb.drop_add_residual(x, res_branch, 0.5, True, "row" if i % 2 else "batch", generator=gen))
+        run(mb.drop_add_residual(x, res_branch, 0.5, True, mode="row" if i % 2 else "batch", generator=gen))
 
     def ops(i):
         x = x0.clone().requires_grad_(True)

@@ -51,7 +51,7 @@ def train(model, gates, closure, wrap=lambda m: m, explicit=False):
         else:
             step()
             opt.step()
-        pruned.append(handle.last_pruned if handle else None)
+        pruned.append(handle.last_reset if handle else None)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, pruned
 
 

@@ -76,7 +76,7 @@ def test_fx_drop_path_like_peers(mode, training):
 def test_fx_residual_drop_path_is_the_dense_formula(mode, training):
     f = branch()
     _, theirs = ours_and_theirs(0.5, mode)
-    block = mb.ResidualDropPath(f, 0.5, mode).train(training)
+    block = mb.ResidualDropPath(f, 0.5, mode=mode).train(training)
     gm = torch.fx.symbolic_trace(nn.Sequential(block))  # (a root's *args would be one Proxy)
     theirs.train(training)
     x = torch.randn(B, D)
@@ -227,7 +227,7 @@ def test_script_drop_path_statistics_and_arguments_as_given():
 def test_script_residual_drop_path_is_the_dense_formula(mode):
     f = branch()
     _, theirs = ours_and_theirs(0.5, mode)
-    s = scripted(copy.deepcopy(mb.ResidualDropPath(f, 0.5, mode)))
+    s = scripted(copy.deepcopy(mb.ResidualDropPath(f, 0.5, mode=mode)))
     x = torch.randn(B, D)
     for training in (False, True):
         s.train(training)

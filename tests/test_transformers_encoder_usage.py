@@ -156,4 +156,4 @@ def test_owner_that_draws_nothing_keeps_its_gradients():
         assert all(p.grad is not None for p in model.model.encoder.parameters()), how
         dropped = [i for i in range(len(layers)) if i not in ran]
         assert all(p.grad is None for i in dropped for p in layers[i].parameters())
-        assert handle.last_pruned == sum(1 for i in dropped for _ in layers[i].parameters())
+        assert handle.last_reset == sum(1 for i in dropped for _ in layers[i].parameters())

@@ -253,7 +253,7 @@ def test_copies_pickles_unpatch_and_checkpointing():
 # Two gloo ranks.
 
 STEPS = 3
-FAMILIES_DDP = ("wav2vec2", "bart")
+FAMILIES_DDP = ("wav2vec2", "bart", "wav2vec2-nospec")
 
 
 def _train(rank, family, how):

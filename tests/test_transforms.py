@@ -160,7 +160,7 @@ def test_func_residual_drop_path(case, op):
         "all_dropped_tied": (1.0, "row", True),
     }[case]
     torch.manual_seed(0)
-    block = mb.ResidualDropPath(mlp(), drop_prob, mode, generator=torch.Generator(), materialize_grads=materialize)
+    block = mb.ResidualDropPath(mlp(), drop_prob, mode=mode, generator=torch.Generator(), materialize_grads=materialize)
     x = torch.randn(B, D)
 
     def fn(p, x):
@@ -244,7 +244,7 @@ class Residuals(nn.Module):
     def __init__(self, materialize):
         super().__init__()
         self.blocks = nn.ModuleList(
-            mb.ResidualDropPath(nn.Linear(D, D), p, mode, generator=torch.Generator(), materialize_grads=materialize)
+            mb.ResidualDropPath(nn.Linear(D, D), p, mode=mode, generator=torch.Generator(), materialize_grads=materialize)
             for p, mode in [(1e-9, "row"), (0.5, "row"), (1.0, "row"), (0.5, "batch")]
         )
         self.lin = nn.Linear(D, D)

@@ -24,7 +24,7 @@ def test_dead_branches_pruned_and_optimizer_state_untouched():
     loss_of(model, 0, [0, 2]).backward()
     assert all(p.grad is not None for p in model.parameters())  # zeros before the step ...
     opt.step()
-    assert handle.last_pruned == 2 * 2 * 4  # ... 2 layers x 2 unused branches x 4 tensors pruned
+    assert handle.last_reset == 2 * 2 * 4  # ... 2 layers x 2 unused branches x 4 tensors pruned
     for layer, used in zip(model.layers, (0, 2)):
         for i, branch in enumerate(layer):
             for p in branch.parameters():
@@ -60,7 +60,7 @@ def test_no_grad_calls_do_not_count():
     with torch.no_grad():
         model(data(0)[0], [1, 1])  # an evaluation between backward and step
     opt.step()
-    assert handle.last_pruned == 2 * 2 * 4
+    assert handle.last_reset == 2 * 2 * 4
     assert all(grads_none(model.layers[0][1]))
 
 
@@ -72,11 +72,11 @@ def test_use_accumulates_until_the_step():
     for gates in ([0, 0], [1, 0]):
         loss_of(model, 0, gates).backward()
     opt.step()
-    assert handle.last_pruned == (1 + 2) * 4  # layer 0: branch 2; layer 1: branches 1 and 2
+    assert handle.last_reset == (1 + 2) * 4  # layer 0: branch 2; layer 1: branches 1 and 2
     opt.zero_grad()
     loss_of(model, 1, [2, 2]).backward()
     opt.step()  # the step reset what was used
-    assert handle.last_pruned == 2 * 2 * 4
+    assert handle.last_reset == 2 * 2 * 4
 
 
 def test_several_optimizers_prune_their_own_parameters():
@@ -86,10 +86,10 @@ def test_several_optimizers_prune_their_own_parameters():
     handles = [unused_grads_to_none(first, model), unused_grads_to_none(rest, model)]
     loss_of(model, 0, [1, 2]).backward()
     first.step()
-    assert handles[0].last_pruned == 2 * 4 and all(grads_none(model.layers[0][0])) and not any(grads_none(model.layers[0][1]))
+    assert handles[0].last_reset == 2 * 4 and all(grads_none(model.layers[0][0])) and not any(grads_none(model.layers[0][1]))
     assert not any(grads_none(model.layers[1][0]))  # not this optimizer's: untouched so far
     rest.step()
-    assert handles[1].last_pruned == 2 * 4 and all(grads_none(model.layers[1][0])) and not any(grads_none(model.layers[1][2]))
+    assert handles[1].last_reset == 2 * 4 and all(grads_none(model.layers[1][0])) and not any(grads_none(model.layers[1][2]))
 
 
 def test_one_branch_split_across_two_optimizers():
@@ -186,17 +186,18 @@ def test_nested_and_residual_drop_path():
     model(x, 1, 0).sum().backward()
     opt.step()
     assert all(grads_none(outer[0])) and not any(grads_none(outer[1])) and all(grads_none(rdp))
-    assert handle.last_pruned == 2 * 4 + 4
+    assert handle.last_reset == 2 * 4 + 4
     opt.zero_grad()
     model(x, 0, 1).sum().backward()  # inner called directly: one unit of its parameters ran
     opt.step()
     assert not any(grads_none(inner[1])) and all(grads_none(inner[0])) and all(grads_none(outer[1]))
-    assert handle.last_pruned == 4 + 4  # inner branch 0 and the dropped block (outer[1] had none)
+    assert handle.last_reset == 4 + 4  # inner branch 0 and the dropped block (outer[1] had none)
 
 
-def test_a_step_skipped_by_grad_scaler_counts_towards_the_next():
-    """GradScaler skips optimizer.step() (and its hook) when a gradient is inf: what ran in that
-    iteration counts as used at the next step (documented)."""
+def test_a_step_skipped_by_grad_scaler_leaves_what_zero_grad_cleared():
+    """GradScaler skips optimizer.step() (and its hook) when a gradient is inf. What ran in that
+    iteration counts only until zero_grad clears its gradients, as for if/else: a branch used
+    in the skipped iteration only has no gradient at the next step."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
     model = Net().float()
     opt = sgd(model.parameters())
@@ -206,13 +207,14 @@ def test_a_step_skipped_by_grad_scaler_counts_towards_the_next():
     model.head.weight.grad[0, 0] = float("inf")
     scaler.step(opt)  # skipped
     scaler.update()
-    assert handle.last_pruned == 0 and model.layers[0][1][0].weight.grad is not None
+    assert handle.last_reset == 0 and model.layers[0][1][0].weight.grad is not None
     opt.zero_grad()
     scaler.scale((model(x.float(), [0, 0]) - t.float()).square().mean()).backward()
     scaler.step(opt)
     scaler.update()
-    assert all(grads_none(model.layers[0][2]))  # used in neither iteration: pruned
-    assert not any(grads_none(model.layers[0][1]))  # used in the skipped one only: kept (zeros)
+    assert all(grads_none(model.layers[0][2]))  # used in neither iteration
+    assert all(grads_none(model.layers[0][1]))  # used in the skipped one only: cleared by zero_grad
+    assert not any(grads_none(model.layers[0][0]))
 
 
 def test_remove_and_bad_inputs():
@@ -231,21 +233,59 @@ def test_remove_and_bad_inputs():
         unused_grads_to_none(opt, nn.Linear(2, 2))
 
 
-def test_where_the_bytes_are_reduced():
-    cpu, gpu = torch.device("cpu"), torch.device("cuda", 3)
-    assert unused_grads.bits_device("gloo") == cpu
-    assert unused_grads.bits_device("cpu:gloo,cuda:nccl") == cpu  # a mixed group reduces on the host
-    assert unused_grads.bits_device("nccl", accelerator=gpu) == gpu  # NCCL: device tensors only
-    assert unused_grads.bits_device("NCCL", accelerator=gpu) == gpu
-    if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="'nccl'"):
-            unused_grads.bits_device("nccl")
+def test_usage_reduces_on_a_cpu_group(tmp_path):
+    """The bytes go to a gloo group: the wrapper's own when it is gloo (no extra group, no device
+    in the loop), a new one beside NCCL (tests/test_unused_grads.py's GPU case runs it)."""
+    from maskedbranch import _layout
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        assert _layout.cpu_group(None) is dist.group.WORLD
+        group = dist.new_group(backend="gloo")
+        assert _layout.cpu_group(group) is group
+    finally:
+        dist.destroy_process_group()
+        _layout.cpu_groups.clear()
+
+
+def test_functional_call_ties_the_swapped_in_tensors():
+    """torch.func.functional_call outside any transform: the tensors handed in get the dead
+    branches' zero gradients, the module's own parameters nothing."""
+    torch.manual_seed(0)
+    module = MaskedBranch([nn.Linear(D, D) for _ in range(N)], materialize_grads=True)
+    module(torch.randn(2, D), 0).sum().backward()  # the cache holds the module's own parameters
+    for p in module.parameters():
+        p.grad = None
+    swapped = {k: v.detach().clone().requires_grad_(True) for k, v in module.named_parameters()}
+    out = torch.func.functional_call(module, swapped, (torch.randn(2, D), 1))
+    out.sum().backward()
+    assert all(p.grad is None for p in module.parameters())
+    assert swapped["0.weight"].grad is not None and not swapped["0.weight"].grad.any()  # dead: zeros
+    assert swapped["1.weight"].grad is not None and swapped["1.weight"].grad.any()
+
+
+def test_nothing_is_installed_before_a_routing_module_exists():
+    """Importing maskedbranch registers no hook; the optimizer step pre-hook comes with the first
+    routing module and goes with the last one."""
+    import gc
+
+    from maskedbranch import _wiring
+
+    gc.collect()
+    if unused_grads._registry or _wiring.all_wirings():
+        pytest.skip("routing modules of other tests are still alive")
+    assert not unused_grads._hook
+    m = MaskedBranch([nn.Linear(2, 2)])
+    assert unused_grads._hook
+    del m
+    gc.collect()
+    assert not unused_grads._hook
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()), reason="needs a GPU and NCCL")
 def test_nccl_group_reduces_on_the_device(tmp_path):
-    """A one-process NCCL group: the bytes go to the GPU and back, and the pruning is right."""
+    """A one-process NCCL group: the bytes are reduced on a gloo group beside it, and the reset is right."""
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         torch.cuda.set_device(0)
@@ -255,7 +295,7 @@ def test_nccl_group_reduces_on_the_device(tmp_path):
         x, t = data(0)
         (model(x.float().cuda(), [0, 1]) - t.float().cuda()).square().mean().backward()
         opt.step()
-        assert handle.last_pruned == 2 * 2 * 4
+        assert handle.last_reset == 2 * 2 * 4
         assert all(grads_none(model.layers[0][1])) and not any(grads_none(model.layers[1][1]))
     finally:
         dist.destroy_process_group()

@@ -6,12 +6,12 @@
 #include <torch/library.h>
 
 #include "../op_args.h"
+#include "ops.h"
 #include "row_kernels.cuh"
 
 namespace maskedbranch {
+namespace cuda {
 namespace {
-
-using namespace maskedbranch::cuda;
 
 template <typename scalar_t>
 std::vector<const scalar_t*> source_ptrs(const std::vector<at::Tensor>& ys) {
@@ -21,11 +21,13 @@ std::vector<const scalar_t*> source_ptrs(const std::vector<at::Tensor>& ys) {
   return ptrs;
 }
 
+}  // namespace
+
 at::Tensor combine_cuda(const c10::optional<at::Tensor>& base, at::TensorList ys,
                         const c10::optional<at::Tensor>& weights, const at::Tensor& row_offsets,
                         const at::Tensor& row_branch, const at::Tensor& row_pos) {
   auto a = check_combine(base, ys, weights, row_offsets, row_branch, row_pos);
-  c10::cuda::CUDAGuard device_guard(a.ref.device());
+  DeviceGuard device_guard(a.ref.device());
   auto out = empty_rows(a.plan.batch, a.ref.sizes().slice(1), a.ref.options(), a.format);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.ref.scalar_type(), "maskedbranch_combine_cuda", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
@@ -37,6 +39,8 @@ at::Tensor combine_cuda(const c10::optional<at::Tensor>& base, at::TensorList ys
   });
   return out;
 }
+
+namespace {
 
 // ------------------------------------------------------------------------------------------
 // combine_weights_backward: out[b, i] = <grad[b], ys[i][local]> for every live entry (b, i).
@@ -75,7 +79,7 @@ __global__ void __launch_bounds__(kThreads) dot_rows_kernel(const __grid_constan
   using V = Vec<scalar_t, kVec>;
   constexpr int kRowsPerBlock = kThreads / kRowThreads;
   constexpr int kWarps = kThreads / 32;
-  __shared__ opmath_t warp_partial[kWarps];
+  MB_SHARED(opmath_t, warp_partial, kWarps);
   const int slot = threadIdx.x / kRowThreads;
   const int lane = threadIdx.x % kRowThreads;
   const int64_t c0 = int64_t(blockIdx.x) * P.chunk;
@@ -158,14 +162,13 @@ constexpr int64_t kMinChunkVecs = 2048;
 
 template <typename scalar_t, int kVec>
 void launch_dot_rows(DotParams<scalar_t>& P, int64_t n, const at::TensorOptions& opmath_opts) {
-  auto stream = at::cuda::getCurrentCUDAStream();
+  const Stream stream = current_stream();
   using opmath_t = at::opmath_type<scalar_t>;
   if (P.row_vecs <= kWarpRowVecs) {
     P.chunk = std::max<int64_t>(P.row_vecs, 1);
     P.chunks = 1;
-    const dim3 grid(1, static_cast<unsigned>(std::min(ceil_div(P.batch, kThreads / 32), kMaxGridY)));
-    dot_rows_kernel<scalar_t, kVec, 32><<<grid, kThreads, 0, stream>>>(P);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const dim3 grid(1, static_cast<unsigned>(std::min(ceil_div(P.batch, kThreads / 32), grid_limit(kMaxGridY))));
+    launch<dot_rows_kernel<scalar_t, kVec, 32>>(grid, dim3(kThreads), stream, P);
     return;
   }
   int64_t chunks = 1;
@@ -179,21 +182,21 @@ void launch_dot_rows(DotParams<scalar_t>& P, int64_t n, const at::TensorOptions&
     partial = at::empty({P.num_entries, P.chunks}, opmath_opts);
     P.partial = partial.data_ptr<opmath_t>();
   }
-  const dim3 grid(static_cast<unsigned>(P.chunks), static_cast<unsigned>(std::min(P.batch, kMaxGridY)));
-  dot_rows_kernel<scalar_t, kVec, kThreads><<<grid, kThreads, 0, stream>>>(P);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const dim3 grid(static_cast<unsigned>(P.chunks), static_cast<unsigned>(std::min(P.batch, grid_limit(kMaxGridY))));
+  launch<dot_rows_kernel<scalar_t, kVec, kThreads>>(grid, dim3(kThreads), stream, P);
   if (P.chunks > 1) {
-    sum_partials_kernel<opmath_t><<<grid_1d(P.batch), kThreads, 0, stream>>>(
-        P.partial, P.row_offsets, P.row_branch, P.batch, n, P.chunks, P.out);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch<sum_partials_kernel<opmath_t>>(dim3(grid_1d(P.batch)), dim3(kThreads), stream, P.partial, P.row_offsets,
+                                          P.row_branch, P.batch, n, P.chunks, P.out);
   }
 }
+
+}  // namespace
 
 at::Tensor combine_weights_backward_cuda(const at::Tensor& grad, at::TensorList ys, const at::Tensor& row_offsets,
                                          const at::Tensor& row_branch, const at::Tensor& row_pos) {
   // grad plays the role of base: same rows, trailing shape, dtype and device as the output.
   auto a = check_combine(grad, ys, c10::nullopt, row_offsets, row_branch, row_pos, "grad");
-  c10::cuda::CUDAGuard device_guard(grad.device());
+  DeviceGuard device_guard(grad.device());
   const int64_t num_branches = static_cast<int64_t>(ys.size());
   const int64_t d = row_numel(grad);
   const auto opmath_opts = grad.options().dtype(opmath_type(grad.scalar_type()));
@@ -231,11 +234,13 @@ at::Tensor combine_weights_backward_cuda(const at::Tensor& grad, at::TensorList 
   return out;
 }
 
-}  // namespace
+}  // namespace cuda
 
+#ifndef MASKEDBRANCH_CUDA_EMULATION
 TORCH_LIBRARY_IMPL(maskedbranch, CUDA, m) {
-  m.impl("combine", &combine_cuda);
-  m.impl("combine_weights_backward", &combine_weights_backward_cuda);
+  m.impl("combine", &cuda::combine_cuda);
+  m.impl("combine_weights_backward", &cuda::combine_weights_backward_cuda);
 }
+#endif
 
 }  // namespace maskedbranch

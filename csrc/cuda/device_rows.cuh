@@ -8,13 +8,14 @@
 //   so `acc + w * x` rounds like the CPU kernels' separate multiply and add;
 // * all element offsets are int64 (B * D may exceed 2^31);
 // * everything runs on the current stream, launches are checked, nothing synchronizes.
+// The runtime calls go through runtime.cuh, so that the host emulation (tests/cuda_emu) runs
+// this code too.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/macros/Macros.h>
+
+#include "runtime.cuh"
 
 #include <algorithm>
 #include <cstdint>
@@ -63,7 +64,7 @@ __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(
 
 // 1-D grid-stride launches.
 inline unsigned grid_1d(int64_t n) {
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min(ceil_div(n, kThreads), kMaxGrid1d)));
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(ceil_div(n, kThreads), grid_limit(kMaxGrid1d))));
 }
 
 // A tensor's data, or null when it is absent or empty (never dereferenced then).
@@ -96,7 +97,7 @@ inline RowTiling row_tiling(int64_t rows, int64_t row_vecs) {
   const int ty = kThreads / tx;
   const int64_t chunk = int64_t(tx) * kUnroll;
   const int64_t gx = ceil_div(row_vecs, chunk);
-  const int64_t gy = std::max<int64_t>(1, std::min(ceil_div(rows, ty), kMaxGridY));
+  const int64_t gy = std::max<int64_t>(1, std::min(ceil_div(rows, ty), grid_limit(kMaxGridY)));
   TORCH_CHECK(gx <= std::numeric_limits<int32_t>::max(), "maskedbranch: rows of ", row_vecs,
               " vectors are too long for one launch");
   return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(tx, ty), chunk};
@@ -156,8 +157,10 @@ struct TableChunk {
   int64_t val[kTableChunk];
 };
 
-// (Templates, so that every .cu file may launch them from this header.)
-template <int = 0>
+// (A template, so that every .cu file may launch it from this header; on the table's pointer
+// type, because GCC, which builds the kernels for the host emulation, instantiates a function
+// template named as a template argument only where the name depends on the enclosing template.)
+template <typename P>
 __global__ void __launch_bounds__(kThreads) write_table_kernel(const __grid_constant__ TableChunk c) {
   for (int64_t j = threadIdx.x; j < c.count; j += blockDim.x) c.dst[j] = c.val[j];
 }
@@ -185,14 +188,13 @@ BranchTable<P> make_table(const std::vector<P>& ptrs, const std::vector<int64_t>
   values.insert(values.end(), starts.begin(), starts.end());
   const int64_t total = static_cast<int64_t>(values.size());
   holder = at::empty({total}, at::TensorOptions().dtype(at::kLong).device(device));
-  auto stream = at::cuda::getCurrentCUDAStream();
+  const Stream stream = current_stream();
   for (int64_t off = 0; off < total; off += kTableChunk) {
     TableChunk c;
     c.dst = holder.data_ptr<int64_t>() + off;
     c.count = std::min<int64_t>(kTableChunk, total - off);
     std::copy(values.begin() + off, values.begin() + off + c.count, c.val);
-    write_table_kernel<><<<1, kThreads, 0, stream>>>(c);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch<write_table_kernel<P>>(dim3(1), dim3(kThreads), stream, c);
   }
   t.device_table = holder.const_data_ptr<int64_t>();
   return t;

@@ -5,17 +5,16 @@
 #include <torch/library.h>
 
 #include "../op_args.h"
+#include "ops.h"
 #include "row_kernels.cuh"
 
 namespace maskedbranch {
-namespace {
-
-using namespace maskedbranch::cuda;
+namespace cuda {
 
 std::vector<at::Tensor> gather_cuda(const at::Tensor& x_in, const at::Tensor& rows_in,
                                     const c10::optional<at::Tensor>& weights, c10::IntArrayRef counts) {
   auto a = check_gather(x_in, rows_in, weights, counts);
-  c10::cuda::CUDAGuard device_guard(a.x.device());
+  DeviceGuard device_guard(a.x.device());
   std::vector<at::Tensor> outs;
   outs.reserve(counts.size());
   for (auto c : counts) outs.push_back(empty_rows(c, a.x.sizes().slice(1), a.x.options(), a.format));
@@ -30,8 +29,10 @@ std::vector<at::Tensor> gather_cuda(const at::Tensor& x_in, const at::Tensor& ro
   return outs;
 }
 
-}  // namespace
+}  // namespace cuda
 
-TORCH_LIBRARY_IMPL(maskedbranch, CUDA, m) { m.impl("gather", &gather_cuda); }
+#ifndef MASKEDBRANCH_CUDA_EMULATION
+TORCH_LIBRARY_IMPL(maskedbranch, CUDA, m) { m.impl("gather", &cuda::gather_cuda); }
+#endif
 
 }  // namespace maskedbranch

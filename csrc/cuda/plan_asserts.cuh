@@ -78,12 +78,12 @@ template <typename P>
 void launch_check_row_plan(const int64_t* row_offsets, const int64_t* row_branch, const int64_t* row_pos,
                            int64_t batch, int64_t num_entries, const BranchTable<P>& table) {
   RowPlanCheck<P> c{row_offsets, row_branch, row_pos, batch, num_entries, table};
-  check_row_plan_kernel<P><<<grid_1d(batch), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(c);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch<check_row_plan_kernel<P>>(dim3(grid_1d(batch)), dim3(kThreads), current_stream(), c);
 }
 
-// gather's rows, alone (rows of zero elements).
-template <int = 0>
+// gather's rows, alone (rows of zero elements). A template on gather's dtype, for the reason
+// given at write_table_kernel.
+template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) check_rows_kernel(const int64_t* rows, int64_t num_entries, int64_t src_rows) {
   for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < num_entries; p += int64_t(gridDim.x) * blockDim.x) {
     CUDA_KERNEL_ASSERT_MSG(rows[p] >= 0 && rows[p] < src_rows, "rows: entry out of range [0, x.size(0)) (hand-made plan)");

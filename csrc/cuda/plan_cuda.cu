@@ -30,20 +30,17 @@
 // capture (make a plan before capturing; gather and combine with it can be captured).
 #include <torch/library.h>
 
-#include <c10/cuda/CUDAFunctions.h>
-
 #include <cstring>
 #include <limits>
 #include <type_traits>
 
 #include "../op_args.h"
+#include "ops.h"
 #include "row_kernels.cuh"
 
 namespace maskedbranch {
+namespace cuda {
 namespace {
-
-using namespace maskedbranch::cuda;
-using PlanTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 constexpr long long kNoError = std::numeric_limits<long long>::max();
 constexpr int kTileElems = 2048;  // (row, branch) entries per tile
@@ -102,7 +99,7 @@ template <typename scalar_t, bool kIds, typename index_t>
 __global__ void __launch_bounds__(kThreads)
     live_kernel(const scalar_t* __restrict__ gate, TileGeometry g, index_t* __restrict__ live_rm,
                 index_t* __restrict__ live_bm, long long* status) {
-  __shared__ unsigned char tile[kTileSlots];
+  MB_SHARED(unsigned char, tile, kTileSlots);
   const Tile t = g.tile;
   const int64_t i0 = int64_t(blockIdx.x) * t.cols;
   const int cols = static_cast<int>(min64(t.cols, g.n - i0));  // a tile has at most kTileElems entries
@@ -141,7 +138,7 @@ __global__ void __launch_bounds__(kThreads)
     fill_kernel(const index_t* __restrict__ pos, const index_t* __restrict__ ent, TileGeometry g,
                 int64_t* __restrict__ rows_out, int64_t* __restrict__ row_offsets, int64_t* __restrict__ row_branch,
                 int64_t* __restrict__ row_pos) {
-  __shared__ index_t tile[kTileSlots];  // packed position of each live entry of the tile, -1 if dead
+  MB_SHARED(index_t, tile, kTileSlots);  // packed position of each live entry of the tile, -1 if dead
   const Tile t = g.tile;
   const int64_t i0 = int64_t(blockIdx.x) * t.cols;
   const int cols = static_cast<int>(min64(t.cols, g.n - i0));  // a tile has at most kTileElems entries
@@ -179,7 +176,7 @@ __global__ void __launch_bounds__(kThreads)
 
 inline dim3 tile_grid(const TileGeometry& g) {
   const int64_t gx = ceil_div(g.n, g.tile.cols);
-  const int64_t gy = std::max<int64_t>(1, std::min(ceil_div(g.batch, g.tile.rows), kMaxGridY));
+  const int64_t gy = std::max<int64_t>(1, std::min(ceil_div(g.batch, g.tile.rows), grid_limit(kMaxGridY)));
   TORCH_CHECK(gx <= std::numeric_limits<int32_t>::max(), "gate: too many branches for one launch");
   return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
 }
@@ -201,7 +198,7 @@ void raise_bad_gate(GateKind kind, const at::Tensor& values, int64_t k, int64_t 
 
 template <typename index_t>
 PlanTensors plan_with(const at::Tensor& values, GateKind kind, int64_t batch, int64_t n) {
-  auto stream = at::cuda::getCurrentCUDAStream();
+  const Stream stream = current_stream();
   // (Explicit types: nvcc takes `auto` initialized from index_t as a dependent type.)
   const at::ScalarType index_dtype = c10::CppTypeToScalarType<index_t>::value;
   const at::TensorOptions long_opts = values.options().dtype(at::kLong);
@@ -212,8 +209,7 @@ PlanTensors plan_with(const at::Tensor& values, GateKind kind, int64_t batch, in
 
   at::Tensor status = at::empty({n + 2}, long_opts);
   auto* st = reinterpret_cast<long long*>(status.data_ptr<int64_t>());
-  init_status_kernel<<<1, 1, 0, stream>>>(st);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch<init_status_kernel>(dim3(1), dim3(1), stream, st);
   at::Tensor live_rm = at::empty({total}, index_opts);
   at::Tensor live_bm = at::empty({total}, index_opts);
   index_t* rm = live_rm.data_ptr<index_t>();
@@ -222,10 +218,8 @@ PlanTensors plan_with(const at::Tensor& values, GateKind kind, int64_t batch, in
     using scalar_t = decltype(tag);
     constexpr bool kIds = decltype(ids)::value;
     const auto* gate = static_cast<const scalar_t*>(values.const_data_ptr());
-    live_kernel<scalar_t, kIds, index_t><<<grid, kThreads, 0, stream>>>(gate, g, rm, bm, st);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    fetch_bad_value_kernel<scalar_t><<<1, 1, 0, stream>>>(gate, st);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch<live_kernel<scalar_t, kIds, index_t>>(grid, dim3(kThreads), stream, gate, g, rm, bm, st);
+    launch<fetch_bad_value_kernel<scalar_t>>(dim3(1), dim3(1), stream, gate, st);
   };
   if (kind == GateKind::Ids) {
     launch_live(int64_t{}, std::true_type{});
@@ -241,9 +235,9 @@ PlanTensors plan_with(const at::Tensor& values, GateKind kind, int64_t batch, in
   status.narrow(0, 2, n).copy_(pos.view({n, batch}).select(1, batch - 1));
 
   // The one readback.
-  at::Tensor host_status = at::empty({n + 2}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  c10::cuda::memcpy_and_sync(host_status.data_ptr<int64_t>(), status.const_data_ptr<int64_t>(),
-                             static_cast<int64_t>((n + 2) * sizeof(int64_t)), cudaMemcpyDeviceToHost, stream);
+  at::Tensor host_status = at::empty({n + 2}, readback_options());
+  copy_to_host_and_sync(host_status.data_ptr<int64_t>(), status.const_data_ptr<int64_t>(),
+                        static_cast<int64_t>((n + 2) * sizeof(int64_t)), stream);
   const int64_t* hs = host_status.const_data_ptr<int64_t>();
   if (hs[0] != kNoError) raise_bad_gate(kind, values, hs[0], hs[1], n);
   at::Tensor offsets = at::empty({n + 1}, at::TensorOptions().dtype(at::kLong));  // on the host
@@ -256,19 +250,19 @@ PlanTensors plan_with(const at::Tensor& values, GateKind kind, int64_t batch, in
   at::Tensor row_offsets = at::empty({batch + 1}, long_opts);
   at::Tensor row_branch = at::empty({num_entries}, long_opts);
   at::Tensor row_pos = at::empty({num_entries}, long_opts);
-  fill_kernel<index_t><<<grid, kThreads, 0, stream>>>(
-      pos.const_data_ptr<index_t>(), ent.const_data_ptr<index_t>(), g, rows.data_ptr<int64_t>(),
-      row_offsets.data_ptr<int64_t>(), row_branch.data_ptr<int64_t>(), row_pos.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch<fill_kernel<index_t>>(grid, dim3(kThreads), stream, pos.const_data_ptr<index_t>(),
+                               ent.const_data_ptr<index_t>(), g, rows.data_ptr<int64_t>(),
+                               row_offsets.data_ptr<int64_t>(), row_branch.data_ptr<int64_t>(),
+                               row_pos.data_ptr<int64_t>());
   return {offsets, rows, row_offsets, row_branch, row_pos};
 }
 
+}  // namespace
+
 PlanTensors plan_cuda(const at::Tensor& gate, int64_t num_branches) {
   const GateKind kind = check_gate(gate, num_branches);
-  c10::cuda::CUDAGuard device_guard(gate.device());
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(), &capture));
-  TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
+  DeviceGuard device_guard(gate.device());
+  TORCH_CHECK(!stream_is_capturing(current_stream()),
               "plan: a gate on the GPU needs one readback of the branch counts, which CUDA graph capture "
               "does not allow. Make the plan before capturing (gather and combine with it can be captured), "
               "or route with a host gate outside the graph.");
@@ -283,12 +277,14 @@ PlanTensors plan_cuda(const at::Tensor& gate, int64_t num_branches) {
   // ids as int64, like the CPU kernel (uint8 255 is an out-of-range id, not -1)
   const at::Tensor values = kind == GateKind::Ids ? gate.to(at::kLong).contiguous() : gate.contiguous();
   // Running counts never exceed B * N.
-  if (batch * n <= std::numeric_limits<int32_t>::max()) return plan_with<int32_t>(values, kind, batch, n);
+  if (batch * n <= int32_plan_limit()) return plan_with<int32_t>(values, kind, batch, n);
   return plan_with<int64_t>(values, kind, batch, n);
 }
 
-}  // namespace
+}  // namespace cuda
 
-TORCH_LIBRARY_IMPL(maskedbranch, CUDA, m) { m.impl("plan", &plan_cuda); }
+#ifndef MASKEDBRANCH_CUDA_EMULATION
+TORCH_LIBRARY_IMPL(maskedbranch, CUDA, m) { m.impl("plan", &cuda::plan_cuda); }
+#endif
 
 }  // namespace maskedbranch

@@ -71,10 +71,9 @@ void launch_gather(const std::vector<scalar_t*>& outs, const std::vector<int64_t
                    const int64_t* rows, int64_t num_entries, int64_t src_rows, int64_t row_numel,
                    const at::opmath_type<scalar_t>* weights, const at::Device& device) {
   if (num_entries == 0) return;
-  auto stream = at::cuda::getCurrentCUDAStream();
+  const Stream stream = current_stream();
   if (row_numel == 0) {
-    check_rows_kernel<><<<grid_1d(num_entries), kThreads, 0, stream>>>(rows, num_entries, src_rows);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch<check_rows_kernel<scalar_t>>(dim3(grid_1d(num_entries)), dim3(kThreads), stream, rows, num_entries, src_rows);
     return;
   }
   GatherParams<scalar_t> P;
@@ -93,11 +92,10 @@ void launch_gather(const std::vector<scalar_t*>& outs, const std::vector<int64_t
   const RowTiling t = row_tiling(num_entries, P.row_vecs);
   P.chunk = t.chunk;
   if (vec) {
-    gather_kernel<scalar_t, kVec><<<t.grid, t.block, 0, stream>>>(P);
+    launch<gather_kernel<scalar_t, kVec>>(t.grid, t.block, stream, P);
   } else {
-    gather_kernel<scalar_t, 1><<<t.grid, t.block, 0, stream>>>(P);
+    launch<gather_kernel<scalar_t, 1>>(t.grid, t.block, stream, P);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // ------------------------------------------------------------------------------------------
@@ -212,18 +210,17 @@ void launch_segment_sum(scalar_t* out, const scalar_t* base, const std::vector<c
   std::vector<const void*> all(sources.begin(), sources.end());
   all.push_back(out);
   all.push_back(base);
-  auto stream = at::cuda::getCurrentCUDAStream();
+  const Stream stream = current_stream();
   constexpr int kVec = vec_width<scalar_t>();
   const bool vec = can_vectorize<scalar_t>(row_numel, all);
   P.row_vecs = vec ? row_numel / kVec : row_numel;
   const RowTiling t = row_tiling(batch, P.row_vecs);
   P.chunk = t.chunk;
   if (vec) {
-    segment_sum_kernel<scalar_t, kVec><<<t.grid, t.block, 0, stream>>>(P);
+    launch<segment_sum_kernel<scalar_t, kVec>>(t.grid, t.block, stream, P);
   } else {
-    segment_sum_kernel<scalar_t, 1><<<t.grid, t.block, 0, stream>>>(P);
+    launch<segment_sum_kernel<scalar_t, 1>>(t.grid, t.block, stream, P);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace cuda

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _dead_grads
-from ..drop_path import ResidualDropPath
+from ..residual import ResidualDropPath
 from ..nn import MaskedBranch
 from . import report as R
 from .rank import Inputs, RankError, restore_buffers, run_rank, snapshot_buffers

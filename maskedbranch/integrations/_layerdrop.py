@@ -1,13 +1,14 @@
 """The machinery behind maskedbranch.integrations.transformers.patch: the layer list that draws
 LayerDrop as HF does (:class:`LayerDropList`), the stand-in for a dropped layer, and the owner's
-hooks that hold HF's own probability at a neutral value and record which units ran for the
-step-time pruning (maskedbranch/unused_grads.py).
+hooks that hold HF's own probability at a neutral value and record which units ran, for the
+reset of unused gradients (maskedbranch/_wiring.py).
 
 Units of an owner, for the pruning: each layer, and the owner's other parameters. A forward's
-units count as used at the owner's next forward or the step, unless a consumer did not use the
-owner's output: a decoder that dropped every layer only tied the encoder's output in (so that
-DDP and FSDP2 see its parameters), and the encoder's units then count only if that output gets
-a gradient from elsewhere, as the graph walk of find_unused_parameters=True decides.
+units count as used at the owner's next forward or when the wrapper takes them, unless a consumer
+did not use the owner's output: a decoder that dropped every layer only tied the encoder's
+output in (so that DDP and FSDP2 see its parameters), and the encoder's units then count only
+if that output got a gradient from elsewhere (nonzero gradients, read at the step), as the
+graph walk of find_unused_parameters=True decides.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-from .. import _autograd, _dead_grads, _structure, unused_grads
+from .. import _autograd, _dead_grads, _structure, _usage, _wiring, unused_grads
 from ._transformers_rules import Rule
 
 # ----------------------------------------------------------------------------------------------
@@ -115,7 +116,7 @@ class LayerDropList(_structure.RoutingModuleList):
         self.materialize_grads = materialize_grads
         self._p: Optional[float] = None  # the probability while the owner's training forward runs
         self._tables: Optional[List[_structure.Branches]] = None
-        self._usage = unused_grads.Usage()
+        self._usage = _usage.Usage()
         self._reset_forward_state()
         unused_grads.register(self)
 
@@ -140,15 +141,18 @@ class LayerDropList(_structure.RoutingModuleList):
             units.append(tuple(_own_parameters(owner)))
         return units
 
+    def _drop_caches(self) -> None:
+        self._tables = None
+
     def _table(self, i: int) -> _structure.Branches:
         tables = self._tables
-        if tables is None or not _structure.current(tables[0]):
+        if tables is None or len(tables) != len(self._modules) or tables[i].branches[0] is not self._modules[str(i)]:
             layers = list(self._modules.values())
             fsdp = _fsdp_module_type()
             # A layer that is an FSDP2 unit is entered even when dropped (see _Dropped); its
             # inner modules are checked there, once its parameters are gathered.
             _structure.check_skippable([m for m in layers if fsdp is None or not isinstance(m, fsdp)], self.where)
-            tables = self._tables = [_structure.Branches([m], _structure.version()) for m in layers]
+            tables = self._tables = [_structure.Branches([m]) for m in layers]
         return tables[i]
 
     def __iter__(self):
@@ -158,7 +162,7 @@ class LayerDropList(_structure.RoutingModuleList):
 
     def _draw(self, p: float):
         rule = self.rule
-        zeros = _dead_grads.tie_policy(self.materialize_grads, self.where)
+        zeros = _dead_grads.tie_policy(self.materialize_grads, self.where, self._usage)
         for i, layer in enumerate(list(self._modules.values())):
             if i >= rule.first and _dropped(rule, p):
                 yield _Dropped(self, i, layer, zeros)
@@ -174,7 +178,7 @@ class LayerDropList(_structure.RoutingModuleList):
         # copy.deepcopy and pickle: caches and usage start fresh, and the copy is registered
         super().__setstate__(state)
         self._p, self._tables = None, None
-        self._usage = unused_grads.Usage()
+        self._usage = _usage.Usage()
         self._reset_forward_state()
         unused_grads.register(self)
 
@@ -227,7 +231,11 @@ class _Dropped:
             return self._through_unit(args, kwargs)
         table = owner._table(self.index)
         if self.zeros is not None and torch.is_grad_enabled():
-            tied = [p for p in table.tied(0) if p.requires_grad]
+            found = table.tied(0)
+            if found is None:  # a parameter of the layer was replaced
+                table.refresh()
+                found = table.tied(0)
+            tied = [p for p in found if p.requires_grad]
             if tied:
                 x = _autograd.tie(x, tied, self.zeros)
             x = _tie_other_inputs(owner, x, args, kwargs, True if self.zeros else _autograd.ZEROS_WHEN_COMPILED)
@@ -272,7 +280,7 @@ def _tie_other_inputs(owner: LayerDropList, x: Tensor, args: tuple, kwargs: Dict
 
 
 # Each owner's output (its first tensor), while alive: id -> (weakref, the units its forward ran).
-_produced: Dict[int, Tuple[weakref.ref, unused_grads.Held]] = {}
+_produced: Dict[int, Tuple[weakref.ref, _usage.Held]] = {}
 
 
 def _first_tensor(output: Any) -> Optional[Tensor]:
@@ -284,7 +292,7 @@ def _first_tensor(output: Any) -> Optional[Tensor]:
     return None
 
 
-def _note_output(t: Tensor, held: unused_grads.Held) -> None:
+def _note_output(t: Tensor, held: _usage.Held) -> None:
     key = id(t)
 
     def forget(ref, key=key):
@@ -297,13 +305,12 @@ def _note_output(t: Tensor, held: unused_grads.Held) -> None:
 def _make_conditional(extras: List[Tuple[Tensor, bool]]) -> None:
     """A forward that dropped every layer used its other inputs only through the tie: the units
     of the owner that produced one (an encoder) count only if its output gets a gradient from
-    elsewhere, as with if/else and find_unused_parameters=True."""
-    for t, zeros in {id(t): (t, z) for t, z in extras}.values():
+    elsewhere, as with if/else and find_unused_parameters=True (maskedbranch/_wiring.py reads
+    that from the gradients at the step)."""
+    for t, _zeros in {id(t): (t, z) for t, z in extras}.values():
         entry = _produced.get(id(t))
         if entry is not None and entry[0]() is t:
-            held = entry[1]
-            held.conditional = True
-            t.register_hook(lambda grad, held=held, zeros=zeros: held.on_grad(grad, zeros))
+            entry[1].conditional = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,13 +324,13 @@ def _enter(owner: nn.Module, args: Any) -> None:
         return
     if layers._owner_module() is not owner:
         layers._owner = weakref.ref(owner)
-        _structure.invalidate()  # the owner's parameters became a unit (cached layouts)
+        _wiring.forget_layouts()  # the owner's parameters became a unit
     n = len(layers._modules)
     # What the forward runs: the owner's own parameters (unit n), and every layer unless it draws.
     layers._fwd = (1 << n) | ((1 << n) - 1) if torch.is_grad_enabled() else None
     layers._extras = []
     if layers._fwd is not None:
-        layers._usage.record(0)  # notes the DDP model around
+        _dead_grads.context(layers._usage)  # binds the list to the wrapper running it
     if not owner.training:
         return
     obj, name = _holder(owner, layers.rule.source)
@@ -359,6 +366,7 @@ def _leave(owner: nn.Module, args: Any, output: Any) -> None:
     first = _first_tensor(output)
     if first is not None and first.requires_grad:
         _note_output(first, held)
+        _dead_grads.after_call(layers._usage, first)
 
 
 _HOOKED = "_maskedbranch_layerdrop_hooks"  # set on an owner once its hooks are registered

@@ -57,6 +57,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
         f"transformers 5's forwards), found {transformers.__version__}"
     )
 
+from . import _spec_embed
 from ._layerdrop import _HOOKED, LayerDropList, _enter, _holder, _leave
 from ._transformers_rules import FAMILIES, REFUSED, RULES, Rule
 
@@ -109,11 +110,14 @@ def _uses_layerdrop(cls: type) -> bool:
 @dataclass
 class PatchReport:
     """What :func:`patch` did: ``converted`` (module name -> owner class), ``already`` (names
-    patched before) and ``skipped`` (name -> why it applies LayerDrop unpatched)."""
+    patched before), ``skipped`` (name -> why it applies LayerDrop unpatched) and ``tied``
+    (module name -> a parameter its forward leaves out of some steps, tied in when unread:
+    maskedbranch/integrations/_spec_embed.py)."""
 
     converted: Dict[str, str] = field(default_factory=dict)
     already: List[str] = field(default_factory=list)
     skipped: Dict[str, str] = field(default_factory=dict)
+    tied: Dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"maskedbranch: LayerDrop converted in {len(self.converted)} module(s)"]
@@ -121,6 +125,7 @@ class PatchReport:
         if self.already:
             lines.append(f"  {len(self.already)} module(s) were converted already")
         lines += [f"  skipped {name or '<root>'}: {why}" for name, why in self.skipped.items()]
+        lines += [f"  tied when unread: {name or '<root>'}.{what}" for name, what in self.tied.items()]
         return "\n".join(lines)
 
 
@@ -179,9 +184,11 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: Optional[
             owner.register_forward_hook(_leave, always_call=True)
             setattr(owner, _HOOKED, True)
         report.converted[name] = type(owner).__qualname__
-    for m in model.modules():
+    for name, m in model.named_modules():
         if isinstance(m, LayerDropList):
             m.materialize_grads = materialize_grads
+        if _spec_embed.patch_module(m, materialize_grads):
+            report.tied[name] = _spec_embed.NAME
     return report
 
 

@@ -78,6 +78,7 @@ except ImportError as e:  # pragma: no cover - exercised only without timm
         f"(importing timm failed: {e})"
     ) from e
 
+from ... import _usage
 from . import _blocks, _graph, _trace
 
 __all__ = ["PatchReport", "TESTED_FAMILIES", "patch", "unpatch", "is_patched"]
@@ -246,6 +247,7 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: bool = Tr
         original = type(block)
         block.__class__ = _blocks.patched_class(original)
         block.__dict__[_blocks.STATE] = _blocks.BlockState(name, slots, materialize_grads, batch_norm)
+        _usage.note_module(block)
         report.converted[_display(name)] = original.__qualname__
     for m in model.modules():
         state = m.__dict__.get(_blocks.STATE)

@@ -3,9 +3,16 @@
 A converted block keeps timm's class as a base and timm's ``forward``; only ``__call__`` is
 overridden. When no drop path of the block is active (eval mode, ``drop_prob == 0``), under
 symbolic tracing, TorchScript tracing or ``torch.export``, it calls ``nn.Module.__call__`` (so
-timm's forward, hooks and all). Otherwise it swaps in, for this one call, the rewritten forward
-of the plan that matches the call's arguments: traced (shaped mode) at the first such call,
-then cached per block.
+timm's forward, hooks and all). Otherwise it runs the rewritten forward of the plan that matches
+the call's arguments, traced at the first such call.
+
+Plans are shared: blocks of one structure (timm class, plain attributes of the block and of its
+children, children's names and types, the arguments' shapes past the batch, dtypes and values)
+run one generated forward, which reads everything block-specific from the block it is given.
+Under torch.compile a missing plan is built while the graph is traced, for real
+(``torch.compiler.assume_constant_result``), and the graph inlines the plan's code: nothing about
+plans is read from Python state that changes between calls, and a model whose blocks share a
+structure compiles their calls from the same code.
 """
 from __future__ import annotations
 
@@ -17,61 +24,28 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, fx, nn
 
-from ... import _autograd, _dead_grads, _route, _structure
-from ...drop_path import DropPath as _MaskedDropPath
-from ..._draws import draw, keep_scale
-from ...drop_path import drop_add_residual
-from . import _graph, _trace
-
-try:
-    from timm.layers import DropPath as _TimmDropPath
-except ImportError:  # pragma: no cover - the package imports timm first
-    _TimmDropPath = ()
+from ... import _structure, _usage
+from . import _graph, _slots, _trace
+from ._slots import batch_stats_type, drop_settings, is_drop_path, uses_batch_stats  # noqa: F401 - the package's API
 
 STATE = "_maskedbranch_timm"  # the converted block's BlockState, in its __dict__
-_MAX_PLANS = 8  # per block; more input signatures than this evict the oldest
+_MAX_PLANS = 256  # shared by every block; more input signatures than this evict the oldest
 _PLAIN = (bool, int, float, str, type(None))
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-
-def is_drop_path(m: nn.Module) -> bool:
-    """timm's DropPath (or a subclass keeping its forward) or maskedbranch's."""
-    if isinstance(m, _MaskedDropPath):
-        return True
-    return isinstance(m, _TimmDropPath) and type(m).forward is _TimmDropPath.forward
-
-
-def drop_settings(dp: nn.Module) -> Optional[Tuple[Any, bool, str, bool, Optional[torch.Generator]]]:
-    """(drop_prob, training, mode, scale_by_keep, generator) of a drop-path slot; None for a
-    module that is not a drop path (the slot was replaced after patching)."""
-    if isinstance(dp, nn.Identity):
-        return 0.0, False, "row", True, None
-    if isinstance(dp, _MaskedDropPath):
-        return dp.drop_prob, dp.training, dp.mode, dp.scale_by_keep, dp.generator
-    if is_drop_path(dp):
-        return dp.drop_prob, dp.training, "row", bool(getattr(dp, "scale_by_keep", True)), None
-    return None
-
-
-def uses_batch_stats(m: nn.Module) -> bool:
-    """A normalization whose output depends on the other samples of the batch right now."""
-    if isinstance(m, _BATCH_NORMS):
-        return m.training or m.running_mean is None
-    return type(m).__name__.startswith("EvoNorm2dB") and m.training  # timm's batch-variance EvoNorms
 
 
 class BlockState:
     """Per converted block: its name and drop-path slots, the options of ``patch``, and the
-    plans (rebuilt after copying or unpickling)."""
+    structural part of its plan key (rebuilt after copying or unpickling)."""
 
     def __init__(self, name: str, slots: Sequence[str], materialize: bool, batch_norm: str):
         self.name = name
         self.slots = list(slots)
         self.materialize = materialize
         self.batch_norm = batch_norm
-        self.plans: Dict[Any, Optional[Callable]] = {}
         self.warned: Set[str] = set()
-        self._drop_paths: Tuple[int, List[nn.Module]] = (-1, [])
+        self._structure: Optional[Tuple[tuple, Any]] = None  # (children, key)
+        self.checked = 0  # the plan whose branches this block last checked for collectives
+        self.traced_plan: Optional[Callable] = None  # set while torch.compile traces a call
 
     def __getstate__(self) -> Dict[str, Any]:
         return {k: self.__dict__[k] for k in ("name", "slots", "materialize", "batch_norm")}
@@ -80,11 +54,22 @@ class BlockState:
         self.__init__(**state)
 
     def drop_paths(self, block: nn.Module) -> List[nn.Module]:
-        version, mods = self._drop_paths
-        if version != _structure.version():
-            mods = [block.get_submodule(s) for s in self.slots]
-            self._drop_paths = (_structure.version(), mods)
-        return mods
+        return [block.get_submodule(s) for s in self.slots]
+
+    def structure(self, block: nn.Module) -> Any:
+        """What the plan depends on besides the arguments: the block's plain attributes (read by
+        its forward's Python control flow), its children's names, types and plain attributes."""
+        children = tuple(block._modules.values())
+        found = self._structure
+        if found is None or len(found[0]) != len(children) or any(a is not b for a, b in zip(found[0], children)):
+            key = (
+                original_class(type(block)),
+                tuple((k, v) for k, v in vars(block).items() if isinstance(v, _PLAIN) and not k.startswith("_maskedbranch")),
+                tuple((n, type(c), tuple((k, v) for k, v in vars(c).items() if isinstance(v, _PLAIN)))
+                      for n, c in block._modules.items()),
+            )
+            found = self._structure = (children, key)
+        return found[1]
 
     def warn(self, block: nn.Module, why: str) -> None:
         if why not in self.warned:
@@ -113,20 +98,25 @@ def _exporting() -> bool:
     return bool(check is not None and check())
 
 
-class PatchedBlock(_structure.InvalidatesOnApply):
+class PatchedBlock(_structure.CacheOwner):
     """Placed before timm's class in a converted block's bases."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.__dict__.get(STATE)
+        compiling = torch.compiler.is_compiling()
         if (
             state is None
-            or _trace.is_suspended()
+            or (not compiling and _trace.is_suspended())
             or not _active(self, state)
             or _symbolic(args, kwargs)
             or torch.jit.is_tracing()
             or _exporting()
         ):
             return super().__call__(*args, **kwargs)
+        if compiling and not _has_hooks(self):
+            # What nn.Module.__call__ does for a module without hooks, with the rewritten
+            # forward; no per-call attribute of the block is written (the graph would guard on it).
+            return _routed_forward(self, state, *args, **kwargs)
         # The rewritten forward, for this call only: nn.Module.__call__ still runs the hooks,
         # and everything else (TorchScript, fx, state_dict) keeps seeing timm's forward.
         d = self.__dict__
@@ -136,8 +126,16 @@ class PatchedBlock(_structure.InvalidatesOnApply):
         finally:
             d.pop("forward", None)
 
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        _usage.note_module(self)  # found by id while a graph is traced (see _plan_while_tracing)
+
     def __reduce_ex__(self, protocol: int):
         return _restore, (original_class(type(self)),), self.__getstate__()
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
 _CLASSES: Dict[type, type] = {}
@@ -216,10 +214,9 @@ def _hashable(v: Any) -> Any:
     raise TypeError(type(v).__name__)
 
 
-def plan_key(block: nn.Module, values: Sequence[Any]) -> Any:
-    """What a traced plan depends on: the tensor arguments' shapes past the batch, dtypes,
-    devices and whether they are per sample; the other arguments' values; the block's plain
-    attributes (read by its forward's Python control flow) and its children."""
+def argument_spec(values: Sequence[Any]) -> tuple:
+    """The arguments as a plan sees them: for tensors, whether per sample, shape past the
+    batch, dtype and device type; other values as they are (hashable)."""
     batch = next((v.shape[0] for v in values if isinstance(v, Tensor) and v.dim() > 0), None)
     parts = []
     for v in values:
@@ -228,8 +225,48 @@ def plan_key(block: nn.Module, values: Sequence[Any]) -> Any:
             parts.append((rows, tuple(v.shape[1:] if rows else v.shape), v.dtype, v.device.type))
         else:
             parts.append(_hashable(v))
-    attrs = tuple((k, v) for k, v in vars(block).items() if isinstance(v, _PLAIN))
-    return tuple(parts), attrs, tuple(map(id, block.children()))
+    return tuple(parts)
+
+
+_PLANS: Dict[Any, int] = {}  # plan key -> plan number
+_BY_NUMBER: Dict[int, Optional[Callable]] = {}  # plan number -> the rewritten forward (None: timm's)
+
+
+def _plan(block: nn.Module, state: BlockState, spec: tuple, values: Sequence[Any]) -> int:
+    """The number of the plan for this block's structure and these arguments (made if missing)."""
+    key = (state.structure(block), spec)
+    number = _PLANS.get(key)
+    if number is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _BY_NUMBER.pop(_PLANS.pop(next(iter(_PLANS))), None)
+        number = _PLANS[key] = len(_BY_NUMBER) + 1 + max(_BY_NUMBER, default=0)
+        _BY_NUMBER[number] = build_plan(block, state, values)
+    plan = _BY_NUMBER[number]
+    if plan is not None and state.checked != number:
+        _slots.check_branches(block, plan.slots, state.name)  # once per block and plan
+        state.checked = number
+    return number
+
+
+@torch.compiler.assume_constant_result
+def _plan_while_tracing(block_id: int, spec: tuple) -> int:
+    """Run for real while torch.compile traces: make the plan of this block and these arguments
+    if it is missing and leave it in the block's state (``traced_plan``), which the traced code
+    reads next (an attribute read sees this call's effect; a dict the trace read before would
+    not). Returns the plan's number."""
+    block = _usage.module_by_id(block_id)
+    state = block.__dict__[STATE]
+    number = _plan(block, state, spec, [_meta_value(s) for s in spec])
+    state.traced_plan = _BY_NUMBER[number]
+    return number
+
+
+def _meta_value(part: Any) -> Any:
+    """A meta tensor standing for an argument (the trace only reads shapes, dtypes, devices)."""
+    if isinstance(part, tuple) and len(part) == 4 and isinstance(part[2], torch.dtype):
+        rows, shape, dtype, _device = part
+        return torch.empty(((_trace.META_ROWS,) if rows else ()) + tuple(shape), dtype=dtype, device="meta")
+    return part
 
 
 def _routed_forward(block: nn.Module, state: BlockState, *args: Any, **kwargs: Any) -> Any:
@@ -237,16 +274,16 @@ def _routed_forward(block: nn.Module, state: BlockState, *args: Any, **kwargs: A
     plan = None
     if values is not None:
         try:
-            key = plan_key(block, values)
+            spec = argument_spec(values)
         except TypeError as e:
             state.warn(block, f"is called with an argument of type {e} that a plan cannot be keyed on")
-            key = None
-        if key is not None:
-            plan = state.plans.get(key, _MISSING)
-            if plan is _MISSING:
-                if len(state.plans) >= _MAX_PLANS:
-                    state.plans.pop(next(iter(state.plans)))
-                plan = state.plans[key] = build_plan(block, state, values)
+            spec = None
+        if spec is not None:
+            if torch.compiler.is_compiling():
+                _plan_while_tracing(id(block), spec)
+                plan = state.traced_plan
+            else:
+                plan = _BY_NUMBER[_plan(block, state, spec, values)]
     else:
         state.warn(block, "is called with arguments its forward's signature does not bind")
     if plan is None:
@@ -284,7 +321,8 @@ def _tainted(graph: fx.Graph, rows: Set[str]) -> Set[fx.Node]:
 
 
 def build_plan(block: nn.Module, state: BlockState, values: Sequence[Any]) -> Optional[Callable]:
-    """The rewritten forward for these arguments, or None (timm's forward is used)."""
+    """The rewritten forward for these arguments (with ``.slots``), or None (timm's forward is
+    used)."""
     inputs, metas, rows = _trace_inputs(block, values)
     try:
         graph, meta = _trace.trace(block, inputs, metas)
@@ -310,101 +348,14 @@ def build_plan(block: nn.Module, state: BlockState, values: Sequence[Any]) -> Op
     if not slots:
         return None
     tainted = _tainted(graph, rows)
-    for s in slots:
-        _structure.check_skippable([block.get_submodule(m) for m in s.modules], f"{state.name}: the branch of {s.dp}")
-    return _graph.rewrite(
-        graph, slots, lambda s, dense, routed: _slot_call(block, state, s, tainted, dense, routed, outputs.get(s.dp))
+    kept = list(slots)
+    forward = _graph.rewrite(
+        graph, slots, lambda s, dense, routed: _slots.slot_call(block, state, s, tainted, dense, routed, outputs.get(s.dp))
     )
+    forward.slots = kept
+    return forward
 
 
 def _shape(t: Tensor) -> str:
     dims = ["B" if d == _trace.META_ROWS else f"B*{d // _trace.META_ROWS}" if _trace.batch_dependent(d) else str(d) for d in t.shape]
     return "[" + ", ".join(dims) + "]"
-
-
-# ----------------------------------------------------------------------------------------------
-# One residual at run time.
-
-
-def _slot_call(
-    block: nn.Module, state: BlockState, slot: _graph.Slot, tainted: Set[fx.Node], dense: Callable, routed: Callable,
-    output: Optional[Tuple[tuple, torch.dtype]],
-) -> Callable:
-    """The function that replaces one drop path: ``call(block, base, *inputs)`` for a residual,
-    ``call(block, *inputs)`` for the masked form."""
-    dp_path, residual = slot.dp, slot.add is not None
-    x_index = slot.inputs.index(slot.base) if residual and slot.base in slot.inputs else None
-    row_idx = tuple(i for i, n in enumerate(slot.inputs) if n in tainted and i != x_index)
-    bn_paths = [
-        f"{m}.{n}" if n else m
-        for m in slot.modules for n, sub in block.get_submodule(m).named_modules() if batch_stats_type(sub)
-    ]
-    module_paths, param_paths = list(slot.modules), list(slot.params)
-    cache: List[Any] = [-1, None]  # (structure version, (BatchNorms, parameters))
-
-    def resolved(blk: nn.Module):
-        if cache[0] != _structure.version():
-            params = tuple(p for m in module_paths for p in blk.get_submodule(m).parameters())
-            params += tuple(blk.get_parameter(p) for p in param_paths)
-            cache[:] = [_structure.version(), ([blk.get_submodule(p) for p in bn_paths], params)]
-        return cache[1]
-
-    def call(blk: nn.Module, *args: Any) -> Tensor:
-        base, inputs = (args[0], args[1:]) if residual else (None, args)
-        settings = drop_settings(blk.get_submodule(dp_path))
-        bns, params = resolved(blk)
-        if (
-            settings is None or not settings[1] or settings[0] == 0
-            or (bns and state.batch_norm == "dense" and any(uses_batch_stats(m) for m in bns))
-        ):  # timm's operations: its drop path is the identity, or BatchNorm needs every sample
-            return dense(blk, *inputs) if base is None else base + dense(blk, *inputs)
-        per_row = [inputs[i] for i in row_idx]
-        lead = base if residual else (per_row[0] if per_row else None)
-        batch = lead.shape[0] if isinstance(lead, Tensor) and lead.dim() > 0 else None
-        if batch is None or any(not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] != batch for t in per_row):
-            state.warn(blk, f"feeds the branch of {dp_path} a value whose first dimension is not the batch")
-            return dense(blk, *inputs) if base is None else base + dense(blk, *inputs)
-
-        def branch(h: Tensor, *rows: Tensor) -> Tensor:
-            full = list(inputs)
-            idx = row_idx if residual else row_idx[1:]
-            for i, r in zip(idx, rows):
-                full[i] = r
-            if residual and x_index is not None:
-                full[x_index] = h
-            elif not residual:
-                full[row_idx[0]] = h
-            return routed(blk, *full)
-
-        p, _, mode, scale_by_keep, generator = settings
-        if residual:
-            return drop_add_residual(
-                base, branch, p, True, mode, scale_by_keep, generator,
-                args=per_row, params=params, materialize_grads=state.materialize,
-            )
-        return _masked(lead, branch, p, mode, scale_by_keep, generator, per_row[1:], params, state.materialize, output)
-
-    call.__name__ = call.__qualname__ = "drop_path_" + dp_path.replace(".", "_")
-    return call
-
-
-def _masked(x, branch, p, mode, scale_by_keep, generator, rest, params, materialize, output) -> Tensor:
-    """``drop_path(branch(x, *rest))`` without a residual: the branch runs on the kept rows,
-    the dropped rows are zeros (timm's values, and zero gradients for the parameters)."""
-    keep = 1.0 - float(p)
-    scale = keep_scale(keep, scale_by_keep, output[1])
-    if mode == "batch":
-        gate: Any = 0 if bool(draw(1, keep, generator)[0]) else -1
-    else:
-        gate = draw(x.shape[0], keep, generator).to(torch.int64).sub_(1)
-    zeros = _dead_grads.tie_policy(materialize, "maskedbranch.integrations.timm")
-    if gate == -1 if isinstance(gate, int) else not bool((gate >= 0).any()):
-        out = torch.zeros((x.shape[0], *output[0]), dtype=output[1], device=x.device)
-        tied = tuple(t for t in (*params, x, *rest) if isinstance(t, Tensor) and t.requires_grad)
-        return _autograd.tie(out, tied, bool(zeros)) if zeros is not None and tied and torch.is_grad_enabled() else out
-    table = _structure.Branches([branch], params=[params])
-    return _route.route(table, x, gate, tuple(rest), {}, zeros=zeros, scale=scale, where="branch")[0]
-
-
-def batch_stats_type(m: nn.Module) -> bool:
-    return isinstance(m, _BATCH_NORMS) or type(m).__name__.startswith("EvoNorm2dB")

@@ -1,0 +1,34 @@
+// keep_draw: the residual drop paths' Bernoulli(keep_prob) draws on the host, as an op that
+// torch.compile keeps opaque and in program order.
+//
+// Eager mode draws with torch.empty(n).bernoulli_(keep_prob) from torch's default CPU generator
+// (the stream timm's per-sample mask uses). Traced, that random op would be replaced by the
+// compiler's own random stream; this op runs the same draw, so compiled and eager runs see the
+// same masks for the same seed. `order` is a token every draw mutates: the mutation chains the
+// draws of one graph in program order (a compiler may reorder independent ops), and the tag
+// keeps two draws from being merged.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace maskedbranch {
+namespace {
+
+at::Tensor keep_draw(at::Tensor& order, int64_t n, double keep_prob) {
+  TORCH_CHECK_VALUE(n >= 0, "keep_draw: n must be non-negative, got ", n);
+  TORCH_CHECK_VALUE(keep_prob >= 0.0 && keep_prob <= 1.0, "keep_draw: keep_prob must lie in [0, 1], got ", keep_prob);
+  TORCH_CHECK_VALUE(order.device().is_cpu() && order.numel() == 1, "keep_draw: order must be a one-element CPU tensor");
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kFloat)).bernoulli_(keep_prob);
+  order.add_(1);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(maskedbranch, m) {
+  // n Bernoulli(keep_prob) draws (float32 0/1, on the host) from torch's default CPU generator.
+  m.def("keep_draw(Tensor(a!) order, int n, float keep_prob) -> Tensor", {at::Tag::nondeterministic_seeded});
+}
+
+TORCH_LIBRARY_IMPL(maskedbranch, CPU, m) { m.impl("keep_draw", &keep_draw); }
+
+}  // namespace maskedbranch

@@ -1,0 +1,328 @@
+"""The residual drop paths, which own their branch and so skip its compute:
+``x + drop_path(branch(x))`` as the routed layer ``base = x`` plus one branch whose coefficient
+is ``mask[b] / keep_prob`` (maskedbranch/_route.py).
+
+* ``kept="random"`` (default): timm's and torchvision's distribution, each row kept with
+  probability ``1 - drop_prob`` (``mode="row"``) or the whole batch (``"batch"``). The mask is
+  drawn on the host (torch's default CPU generator, or ``generator=``), the kept rows are
+  gathered, the branch runs on them and the scaled result is added back in one pass.
+* ``kept="fixed"``: exactly ``max(1, round(B * (1 - drop_prob)))`` rows, chosen at random on x's
+  device, scaled by ``B / kept`` (DINOv2's ``drop_add_residual_stochastic_depth``): static
+  shapes, no host read, so a compiled model can be captured in a CUDA graph. A different
+  distribution of the kept count than timm's, so opt-in.
+
+When the branch does not run, its parameters get zero gradients by default, as timm's dense
+formula gives them. Settings after ``drop_prob`` / ``training`` are keyword-only
+(maskedbranch/_drop_args.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from . import _compat, _dead_grads, _draws, _route, _structure, _usage, unused_grads
+from ._args import check_per_row_devices, route_args
+from ._drop_args import (
+    UNSET,
+    check_bool,
+    check_drop_prob,
+    check_generator,
+    check_kept,
+    check_mode,
+    check_x,
+    take_positional,
+    training_flag,
+)
+from .drop_path import DropPath, _drop_path
+
+__all__ = ["drop_add_residual", "ResidualDropPath"]
+
+
+def _check_branch_output(y: Any, rows: Any, x: Tensor) -> Tensor:
+    if not isinstance(y, Tensor) or y.dim() != x.dim() or y.shape[0] != rows or y.shape[1:] != x.shape[1:]:
+        got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
+        raise ValueError(
+            f"branch: a residual branch must return a tensor shaped like its input rows "
+            f"({rows}, {', '.join(map(str, x.shape[1:]))}), got {got}"
+        )
+    return y
+
+
+def _check_materialize(value: Any) -> Optional[bool]:
+    if value is None or isinstance(value, bool):
+        return value
+    raise TypeError(f"materialize_grads: expected None (automatic), True or False, got {type(value).__name__}")
+
+
+def _branch_params(branch: Callable, params: Optional[Iterable[Tensor]]) -> Tuple[Tensor, ...]:
+    if params is not None:
+        return tuple(params)
+    if isinstance(branch, nn.Module):
+        return tuple(branch.parameters())
+    owner = getattr(branch, "__self__", None)  # a bound method of a module
+    return tuple(owner.parameters()) if isinstance(owner, nn.Module) else ()
+
+
+class _Checked:
+    """The branch, with the residual form's check of its output (shaped like its input rows)."""
+
+    __slots__ = ("branch",)
+
+    def __init__(self, branch: Callable):
+        self.branch = branch
+
+    def __call__(self, h: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self.check(self.branch(h, *args, **kwargs), h)
+
+    def check(self, y: Any, h: Tensor) -> Tensor:
+        return _check_branch_output(y, h.shape[0], h)
+
+
+def _fixed(x: Tensor, branch: Callable, args, kwargs, keep_prob: float, scale_by_keep: bool, generator) -> Tensor:
+    """``kept="fixed"``: exactly k random rows through the branch, added back scaled by B / k
+    (index_add with distinct rows: each output row gets one addition, so the result is
+    deterministic)."""
+    batch = x.shape[0]
+    k = max(1, int(batch * keep_prob + 0.5))
+    if generator is None:
+        idx = torch.randperm(batch, device=x.device)[:k]
+    else:
+        idx = torch.randperm(batch, generator=generator)[:k].to(x.device, non_blocking=True)
+    a, kw = route_args(args, kwargs, batch, lambda t: t.index_select(0, idx))
+    y = branch(x.index_select(0, idx), *a, **kw)
+    return torch.index_add(x, 0, idx, y.to(x.dtype), alpha=batch / k if scale_by_keep else 1.0)
+
+
+def _residual(
+    x: Tensor, table: _structure.Branches, args: Tuple[Any, ...], kwargs: Dict[str, Any], drop_prob: Any,
+    training: bool, mode: str, scale_by_keep: bool, generator: Optional[torch.Generator], kept: str,
+    materialize: Optional[bool], where: str, usage: Any = None, module: Any = None,
+) -> Tuple[Tensor, Any]:
+    """The output, and which units ran (for the module's record)."""
+    if drop_prob == 0.0 or not training or isinstance(x, torch.fx.Proxy):
+        # Nothing dropped, or symbolic tracing (which cannot follow data-dependent routing): the
+        # dense formula. Under tracing shapes are unknown: the branch itself, without the check
+        # of its output's shape.
+        branch = table.branches[0]
+        if isinstance(x, torch.fx.Proxy):
+            branch = branch.branch
+        y = branch(x, *args, **kwargs)
+        return x + _drop_path(y, drop_prob, training, scale_by_keep, mode, generator), 1
+    if args or kwargs:  # before the draw: a refused call leaves the generator where it was
+        check_per_row_devices(args, kwargs, x)
+    keep_prob = 1.0 - float(drop_prob)
+    if kept == "fixed":
+        return _fixed(x, table.branches[0], args, kwargs, keep_prob, scale_by_keep, generator), 1
+    if not torch.compiler.is_compiling():
+        gate, scale = _draws.host_routing(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype, generator)
+    elif generator is None:
+        gate, scale = _draws.traced_routing(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype)
+    else:  # a generator object cannot enter a graph: this draw runs eagerly (a graph break)
+        gate, scale = _draws.host_routing_outside_graphs(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype, generator)
+    zeros = _dead_grads.tie_policy(materialize, where, usage, module)
+    return _route.route(table, x, gate, args, kwargs, zeros=zeros, base=x, scale=scale, where="branch", usage=usage,
+                        module=module)
+
+
+def _settings(where: str, deprecated: tuple, mode: Any, scale_by_keep: Any, generator: Any, kept: Any):
+    got = take_positional(where, ("mode", "scale_by_keep", "generator"), deprecated,
+                          {"mode": mode, "scale_by_keep": scale_by_keep, "generator": generator})
+    mode = check_mode("row" if got["mode"] is UNSET else got["mode"])
+    scale_by_keep = True if got["scale_by_keep"] is UNSET else check_bool(got["scale_by_keep"], "scale_by_keep")
+    generator = check_generator(None if got["generator"] is UNSET else got["generator"])
+    return mode, scale_by_keep, generator, check_kept(kept, mode)
+
+
+def drop_add_residual(
+    x: Tensor,
+    branch: Callable[..., Tensor],
+    drop_prob: float,
+    training: bool,
+    *deprecated: Any,
+    mode: Any = UNSET,
+    scale_by_keep: Any = UNSET,
+    generator: Any = UNSET,
+    kept: str = "random",
+    args: Sequence[Any] = (),
+    kwargs: Optional[Dict[str, Any]] = None,
+    params: Optional[Iterable[Tensor]] = None,
+    materialize_grads: Optional[bool] = True,
+) -> Tensor:
+    """``x + drop_path(branch(x), drop_prob, training, mode=mode, scale_by_keep=scale_by_keep)``,
+    computing the branch only where it counts.
+
+    * ``mode="row"`` (default): the branch runs on the kept rows only (gathered into one batch),
+      and the scaled add is fused into one pass. Nothing dropped: ``x + scale * branch(x)``, no
+      gather. Everything dropped: the branch does not run. ``kept="fixed"``: see the module's
+      docstring (DINOv2's fixed kept count).
+    * ``mode="batch"``: the branch runs on the whole batch or not at all.
+
+    When the branch does not run, its parameters (``branch.parameters()`` for a module or a
+    bound method of one, else ``params``) still get a gradient: zeros, exactly what the dense
+    formula gives them (``materialize_grads=True``, the default; in every setting, one process
+    included), so training equals timm's and DDP works with ``find_unused_parameters=False``.
+    ``materialize_grads=False``: undefined gradients (DDP fills zeros); ``None``: as
+    :class:`maskedbranch.MaskedBranch` (if/else: no gradient in one process; under a
+    data-parallel wrapper, gradients of branches no rank ran are reset to ``None`` before the
+    step). ``args`` / ``kwargs`` go to the branch; tensors whose first dimension is the batch are
+    routed with ``x``. The mask is drawn on the host (``generator``: a CPU ``torch.Generator``;
+    default: torch's default CPU generator). The branch must treat rows independently for the
+    result to equal the dense formula (BatchNorm in training mode sees only the kept rows).
+    """
+    check_x(x)
+    p = check_drop_prob(drop_prob)
+    training = training_flag(training)
+    mode, scale_by_keep, generator, kept = _settings("drop_add_residual", deprecated, mode, scale_by_keep, generator, kept)
+    return add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, args, kwargs, params,
+                        _check_materialize(materialize_grads))
+
+
+def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, args, kwargs, params, materialize_grads) -> Tensor:
+    """:func:`drop_add_residual` with checked arguments (the timm patch calls it directly)."""
+    if not callable(branch):
+        raise TypeError(f"branch: expected a callable (a module or a function), got {type(branch).__name__}")
+    if training and p > 0 and isinstance(branch, nn.Module):
+        _structure.check_skippable([branch], "branch")  # the policy of every routing module
+    table = _structure.Branches([_Checked(branch)], params=[_branch_params(branch, params)])
+    out, ran = _residual(x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
+                         kept, materialize_grads, "drop_add_residual")
+    if materialize_grads is None and isinstance(branch, nn.Module) and torch.is_grad_enabled() and _dead_grads.distributed():
+        _usage.record_functional([branch], ran, out)  # for the reset of unused gradients
+    return out
+
+
+class ResidualDropPath(_structure.CacheOwner, nn.Module):
+    """``x + drop_path(branch(x, *args, **kwargs))`` with the branch run only on the kept rows
+    (``mode="row"``) or skipped when the batch is dropped (``mode="batch"``):
+    ``ResidualDropPath(branch, drop_prob=0.0, *, mode="row", scale_by_keep=True, kept="random",
+    generator=None, materialize_grads=True)``. See :func:`drop_add_residual`.
+
+    Extra positional / keyword tensors whose first dimension is the batch are routed with ``x``
+    (an attention mask, per-sample conditioning); other arguments pass through unchanged.
+    ``generator``: an optional CPU ``torch.Generator`` for the masks. ``materialize_grads``: as
+    for :func:`drop_add_residual` (default ``True``: a skipped branch's parameters get zero
+    gradients, as timm's dense formula gives them).
+
+    Branches that run collectives (``SyncBatchNorm``, DDP/FSDP units, DTensor parameters) cannot
+    be skipped on one rank while the others run them; they are refused in training with
+    ``drop_prob > 0``. Symbolic tracing (``torch.fx``) records the dense formula
+    ``x + drop_path(branch(x))`` (which rows are kept is data the trace cannot see).
+    ``torch.jit.script`` compiles that dense formula for ``forward(x)``; as for any module with
+    ``__prepare_scriptable__``, torch also puts the dense form in this module's place in the
+    Python model it was given, so script a ``copy.deepcopy`` of a model you keep training.
+    """
+
+    def __init__(
+        self,
+        branch: nn.Module,
+        drop_prob: float = 0.0,
+        *deprecated: Any,
+        mode: Any = UNSET,
+        scale_by_keep: Any = UNSET,
+        kept: str = "random",
+        generator: Any = UNSET,
+        materialize_grads: Optional[bool] = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(branch, nn.Module):
+            raise TypeError(f"branch: expected an nn.Module, got {type(branch).__name__}")
+        self.branch = branch
+        self.drop_prob = check_drop_prob(drop_prob)
+        self.mode, self.scale_by_keep, self.generator, self.kept = _settings(
+            "ResidualDropPath", deprecated[:2], mode, scale_by_keep, generator, kept
+        )
+        if len(deprecated) > 2:
+            raise TypeError("ResidualDropPath: takes at most 4 positional arguments (branch, drop_prob and, deprecated, mode, scale_by_keep)")
+        self.materialize_grads = _check_materialize(materialize_grads)
+        self._cache: Optional[_structure.Branches] = None
+        self._checked_branch = _Checked(branch)
+        self._usage = _usage.Usage()
+        unused_grads.register(self)
+
+    def _drop_caches(self) -> None:
+        self._cache = None
+
+    def _checked(self) -> _Checked:
+        """The branch with its output check: one object while the branch stays, since compiled
+        frames guard on its identity (a new one per call recompiled whenever its address changed)."""
+        checked = self._checked_branch
+        if checked.branch is not self.branch:
+            checked = _Checked(self.branch)
+            if not torch.compiler.is_compiling():
+                self._checked_branch = checked
+        return checked
+
+    def _table(self) -> _structure.Branches:
+        if _compat.tracing():  # built afresh (MaskedBranch._branches)
+            return _structure.Branches([self._checked()], params=[tuple(self.branch.parameters())])
+        cache = self._cache
+        epoch = _dead_grads.epoch()
+        if cache is None or cache.branches[0].branch is not self.branch or not cache.still_valid(epoch):
+            cache = _structure.Branches([self._checked()], params=[tuple(self.branch.parameters())], modules=[self.branch])
+            cache.still_valid(epoch)
+            if not torch.compiler.is_compiling():  # torch.export (strict) refuses module mutation
+                self._cache = cache
+        return cache
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        p = check_drop_prob(self.drop_prob)
+        mode = check_mode(self.mode)
+        kept = check_kept(self.kept, mode)
+        check_x(x)
+        if self.training and p > 0 and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            _dead_grads.context(self._usage)  # first: a new wrapper makes the cache check itself in depth
+        table = self._table()
+        if self.training and p > 0 and table.skippable is None:
+            _structure.check_skippable([self.branch], "branch")
+            table.skippable = True
+        out, ran = _residual(
+            x, table, args, kwargs, p, self.training, mode, self.scale_by_keep, self.generator, kept,
+            self.materialize_grads, "ResidualDropPath", self._usage, self,
+        )
+        if torch.is_grad_enabled() and not isinstance(x, torch.fx.Proxy):
+            _route.record(self._usage, ran)
+            if not torch.compiler.is_compiling():
+                _dead_grads.after_call(self._usage, out)
+        return out
+
+    def _unit_modules(self) -> List[nn.Module]:
+        return [self.branch]
+
+    def _units(self) -> List[Sequence[Tensor]]:
+        return [tuple(self.branch.parameters())]
+
+    def extra_repr(self) -> str:
+        s = f"drop_prob={round(self.drop_prob, 3):0.3f}, mode={self.mode}"
+        if not self.scale_by_keep:
+            s += ", scale_by_keep=False"
+        if self.kept != "random":
+            s += f", kept={self.kept}"
+        if self.materialize_grads is not True:
+            s += f", materialize_grads={self.materialize_grads}"
+        return s
+
+    def __setstate__(self, state) -> None:
+        state.setdefault("kept", "random")  # modules pickled before it existed
+        super().__setstate__(state)
+        self._cache = None
+        self._checked_branch = _Checked(self.branch)  # also for modules pickled without it
+        self._usage = _usage.Usage()
+        unused_grads.register(self)
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        drop = DropPath(self.drop_prob, scale_by_keep=self.scale_by_keep, mode=self.mode).train(self.training)
+        return _ScriptableResidual(self.branch, drop)
+
+
+class _ScriptableResidual(nn.Module):
+    """What ``torch.jit.script`` compiles in place of :class:`ResidualDropPath`: the dense formula."""
+
+    def __init__(self, branch: nn.Module, drop: nn.Module):
+        super().__init__()
+        self.branch = branch
+        self.drop = drop
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.drop(self.branch(x))

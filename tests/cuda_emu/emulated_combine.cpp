@@ -1,0 +1,2 @@
+// csrc/cuda/combine_cuda.cu, compiled by the host compiler against the emulation (build.py).
+#include "../../csrc/cuda/combine_cuda.cu"

@@ -1,0 +1,84 @@
+"""Patched timm models under torch.compile: a ViT, ConvNeXt, Swin (whose attention reshapes
+with -1, so a branch never sees zero samples) and a BatchNorm family compile whole
+(``fullgraph=True``) in training, train as the patched model does in eager mode with the same
+seed (same draws), and new masks every step add no graph.
+
+aot_eager everywhere; inductor on the ViT (torch >= 2.13, where CI runs it). Tiny models
+(tests/timm_models.py).
+"""
+import copy
+import shutil
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from timm_models import FAMILIES, freeze_batch_norms, images, pair, run, assert_grads_equal
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+
+FLAGS_NEEDED = torch.__version__ < "2.13"
+TOL = dict(rtol=1e-9, atol=1e-9)
+STEPS = 6
+
+
+class Counting:
+    def __init__(self, inner="aot_eager"):
+        self.compiled, self.calls, self.inner = 0, 0, inner
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.compiled += 1
+        compiled = lookup_backend(self.inner)(gm, example_inputs)
+
+        def run_(*args):
+            self.calls += 1
+            return compiled(*args)
+
+        return run_
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch.compiler.reset()
+    counters.clear()
+    if FLAGS_NEEDED:
+        with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+            yield
+    else:
+        yield
+    torch.compiler.reset()
+
+
+def check(name, backend, dtype=torch.float64, tol=TOL, steps=STEPS):
+    _, patched, _ = pair(name, dtype)
+    if name.startswith("resnet"):
+        freeze_batch_norms(patched)  # BatchNorm frozen: its branches are routed (see patch's batch_norm)
+    twin = copy.deepcopy(patched)
+    compiled = torch.compile(twin, backend=backend, fullgraph=True)
+    x = images(FAMILIES[name][1], dtype)
+    graphs = []
+    for step in range(steps):
+        want = run(patched, x, step)
+        calls = backend.calls
+        out, grads = run(compiled, x, step)
+        torch.testing.assert_close(out, want[0], **tol)
+        assert_grads_equal({k.removeprefix("_orig_mod."): g for k, g in grads.items()}, want[1], **tol)
+        assert backend.calls > calls, f"step {step} ran no compiled graph"
+        graphs.append(backend.compiled)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs[0] == graphs[-1] == 1, graphs
+
+
+@pytest.mark.parametrize("name", ["vit", "convnext", "swin", "resnet"])
+def test_patched_model_compiles_whole(name):
+    check(name, Counting())
+
+
+@pytest.mark.skipif(
+    torch.__version__ < "2.13" or (shutil.which("c++") is None and shutil.which("g++") is None),
+    reason="inductor cases run on torch >= 2.13 with a C++ compiler",
+)
+def test_patched_vit_through_inductor():
+    check("vit", Counting("inductor"), dtype=torch.float32, tol=dict(rtol=1e-3, atol=1e-4), steps=3)
