@@ -89,6 +89,16 @@ def ddp_python_reducer() -> bool:
     return mode in _PYTHON_REDUCER
 
 
+def ddp_uses_python_reducer(module: nn.Module) -> bool:
+    """Whether this DDP module all-reduces with the Python reducer. DDP records its choice at
+    construction; without that attribute, the setting it reads (a later change of which then
+    goes unseen)."""
+    flag = getattr(module, "_use_python_reducer", None)
+    if isinstance(flag, bool) and not _force_fallback["python_reducer"]:
+        return flag
+    return ddp_python_reducer()
+
+
 def ddp_join_active(module) -> bool:
     """Whether ``module`` is a DDP module inside ``torch.distributed.algorithms.Join``."""
     config = getattr(module, "_join_config", None) if isinstance(module, _DDP) else None

@@ -88,6 +88,27 @@ def as_if_under_ddp() -> Iterator[None]:
         _as_if_ddp[0] = before
 
 
+_SPELLINGS = {"auto": None, "zeros": True, "none": False}
+_NAMES = {None: "auto", True: "zeros", False: "none"}
+
+
+def materialize(value: Any, allow_auto: bool = True) -> Optional[bool]:
+    """``materialize_grads`` as stored: its spellings ``"auto"`` (None: what the training
+    setting needs, the if/else result), ``"zeros"`` (True: zero gradients) and ``"none"`` (False:
+    no gradient from the routing; a wrapper that needs one, DDP, fills zeros itself), and the
+    values None / True / False they stand for."""
+    if isinstance(value, str) and value in _SPELLINGS:
+        value = _SPELLINGS[value]
+    if (value is None and allow_auto) or isinstance(value, bool):
+        return value
+    allowed = "'auto' (None), 'zeros' (True) or 'none' (False)" if allow_auto else "'zeros' (True) or 'none' (False)"
+    raise TypeError(f"materialize_grads: expected {allowed}, got {value!r}")
+
+
+def materialize_name(value: Optional[bool]) -> str:
+    return _NAMES[value]
+
+
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -125,7 +146,7 @@ def _context_of(wrapper: Optional[nn.Module], active: bool) -> Context:
     if wiring.explicit_kind:
         kind = EXPLICIT
     elif isinstance(wrapper, nn.parallel.DistributedDataParallel):
-        if not active:
+        if not active and _compat.ddp_uses_python_reducer(wrapper):
             kind = PYTHON_REDUCER
         else:
             kind = DDP_STATIC if getattr(wrapper, "static_graph", False) else DDP

@@ -191,8 +191,11 @@ class Wiring:
     # -- forward end -------------------------------------------------------------------------
 
     def after_forward(self, output: Any = None) -> None:
-        if self.needs_first:
-            self.launch_first()  # no backward reached a routed output of the first forward
+        # The forward that made this wiring ran this hook after all (torch < 2.7 compiles the
+        # global pre-hook that would have made it earlier), or a later forward came before any
+        # backward: usage accumulates until taken, so one launch covers both. Two would let the
+        # second's backward, finding gradients None, discard the first's usage.
+        self.needs_first = False
         number = self._launch()
         if number is not None:
             w = self.ref()

@@ -50,12 +50,6 @@ def _check_branch_output(y: Any, rows: Any, x: Tensor) -> Tensor:
     return y
 
 
-def _check_materialize(value: Any) -> Optional[bool]:
-    if value is None or isinstance(value, bool):
-        return value
-    raise TypeError(f"materialize_grads: expected None (automatic), True or False, got {type(value).__name__}")
-
-
 def _branch_params(branch: Callable, params: Optional[Iterable[Tensor]]) -> Tuple[Tensor, ...]:
     if params is not None:
         return tuple(params)
@@ -148,7 +142,7 @@ def drop_add_residual(
     args: Sequence[Any] = (),
     kwargs: Optional[Dict[str, Any]] = None,
     params: Optional[Iterable[Tensor]] = None,
-    materialize_grads: Optional[bool] = True,
+    materialize_grads: Any = True,
 ) -> Tensor:
     """``x + drop_path(branch(x), drop_prob, training, mode=mode, scale_by_keep=scale_by_keep)``,
     computing the branch only where it counts.
@@ -173,22 +167,26 @@ def drop_add_residual(
     """
     check_x(x)
     p = check_drop_prob(drop_prob)
-    training = training_flag(training)
+    training = training_flag(training, "drop_add_residual")
     mode, scale_by_keep, generator, kept = _settings("drop_add_residual", deprecated, mode, scale_by_keep, generator, kept)
     return add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, args, kwargs, params,
-                        _check_materialize(materialize_grads))
+                        _dead_grads.materialize(materialize_grads))
 
 
-def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, args, kwargs, params, materialize_grads) -> Tensor:
-    """:func:`drop_add_residual` with checked arguments (the timm patch calls it directly)."""
-    if not callable(branch):
-        raise TypeError(f"branch: expected a callable (a module or a function), got {type(branch).__name__}")
-    if training and p > 0 and isinstance(branch, nn.Module):
+def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, args, kwargs, params, materialize_grads,
+                 module: Optional[bool] = None) -> Tensor:
+    """:func:`drop_add_residual` with checked arguments (the timm patch calls it directly, with
+    ``module=False`` for its closures: Dynamo before 2.7 cannot take isinstance of one)."""
+    if module is None:
+        if not callable(branch):
+            raise TypeError(f"branch: expected a callable (a module or a function), got {type(branch).__name__}")
+        module = isinstance(branch, nn.Module)
+    if training and p > 0 and module:
         _structure.check_skippable([branch], "branch")  # the policy of every routing module
     table = _structure.Branches([_Checked(branch)], params=[_branch_params(branch, params)])
     out, ran = _residual(x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
                          kept, materialize_grads, "drop_add_residual")
-    if materialize_grads is None and isinstance(branch, nn.Module) and torch.is_grad_enabled() and _dead_grads.distributed():
+    if materialize_grads is None and module and torch.is_grad_enabled() and _dead_grads.distributed():
         _usage.record_functional([branch], ran, out)  # for the reset of unused gradients
     return out
 
@@ -223,7 +221,7 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
         scale_by_keep: Any = UNSET,
         kept: str = "random",
         generator: Any = UNSET,
-        materialize_grads: Optional[bool] = True,
+        materialize_grads: Any = True,
     ) -> None:
         super().__init__()
         if not isinstance(branch, nn.Module):
@@ -235,7 +233,7 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
         )
         if len(deprecated) > 2:
             raise TypeError("ResidualDropPath: takes at most 4 positional arguments (branch, drop_prob and, deprecated, mode, scale_by_keep)")
-        self.materialize_grads = _check_materialize(materialize_grads)
+        self.materialize_grads = _dead_grads.materialize(materialize_grads)
         self._cache: Optional[_structure.Branches] = None
         self._checked_branch = _Checked(branch)
         self._usage = _usage.Usage()
@@ -300,7 +298,7 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
         if self.kept != "random":
             s += f", kept={self.kept}"
         if self.materialize_grads is not True:
-            s += f", materialize_grads={self.materialize_grads}"
+            s += f", materialize_grads={_dead_grads.materialize_name(self.materialize_grads)}"
         return s
 
     def __setstate__(self, state) -> None:

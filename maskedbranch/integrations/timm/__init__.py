@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import fx, nn
@@ -78,7 +78,7 @@ except ImportError as e:  # pragma: no cover - exercised only without timm
         f"(importing timm failed: {e})"
     ) from e
 
-from ... import _usage
+from ... import _dead_grads, _usage
 from . import _blocks, _graph, _trace
 
 __all__ = ["PatchReport", "TESTED_FAMILIES", "patch", "unpatch", "is_patched"]
@@ -191,7 +191,7 @@ def _examine(block: nn.Module, owned: List[str]) -> Tuple[List[str], Dict[str, s
     return [s.dp for s in slots], problems, "; ".join(notes)
 
 
-def patch(model: nn.Module, *, strict: bool = True, materialize_grads: bool = True, batch_norm: str = "dense") -> PatchReport:
+def patch(model: nn.Module, *, strict: bool = True, materialize_grads: Any = True, batch_norm: str = "dense") -> PatchReport:
     """Convert the residual blocks of a timm ``model``, in place, so that drop path (stochastic
     depth) runs each residual branch on the kept samples only. Returns a :class:`PatchReport`.
 
@@ -204,7 +204,7 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: bool = Tr
     (correct, paying the full compute of dropped samples) and lists it in ``report.skipped``.
 
     ``materialize_grads``: the parameters of a branch that no sample keeps get zero gradients
-    (``True``, timm's values) or undefined ones (``False``).
+    (``"zeros"`` / ``True``, timm's values) or none from the routing (``"none"`` / ``False``).
     ``batch_norm``: ``"dense"`` (default) or ``"kept"``: how a branch holding a BatchNorm that
     uses batch statistics runs (module docstring). Calling ``patch`` again updates both options
     on blocks converted before.
@@ -213,8 +213,7 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: bool = Tr
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if batch_norm not in ("dense", "kept"):
         raise ValueError(f"batch_norm: expected 'dense' (timm's statistics) or 'kept', got {batch_norm!r}")
-    if not isinstance(materialize_grads, bool):
-        raise TypeError(f"materialize_grads: expected True or False, got {type(materialize_grads).__name__}")
+    materialize_grads = _dead_grads.materialize(materialize_grads, allow_auto=False)
     report = PatchReport()
     todo: List[Tuple[str, nn.Module, List[str]]] = []
     for name, owned in _owners(model).items():
@@ -268,5 +267,5 @@ def unpatch(model: nn.Module) -> int:
 
 
 def is_patched(module: nn.Module) -> bool:
-    """True for a block converted by :func:`patch`."""
-    return _blocks.is_patched_class(type(module))
+    """True for a block converted by :func:`patch`, and for a model holding one."""
+    return isinstance(module, nn.Module) and any(_blocks.is_patched_class(type(m)) for m in module.modules())

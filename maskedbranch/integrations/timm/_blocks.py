@@ -144,8 +144,9 @@ _CLASSES: Dict[type, type] = {}
 def patched_class(original: type) -> type:
     cls = _CLASSES.get(original)
     if cls is None:
+        # Its own module, so that type(block) says it is converted; timm's name (reprs, TorchScript).
         cls = type(original.__name__, (PatchedBlock, original), {
-            "__module__": original.__module__, "__qualname__": original.__qualname__,
+            "__module__": "maskedbranch.integrations.timm", "__qualname__": original.__qualname__,
             "_maskedbranch_original": original,
         })
         _CLASSES[original] = cls
@@ -214,10 +215,19 @@ def _hashable(v: Any) -> Any:
     raise TypeError(type(v).__name__)
 
 
+def batch_size(values: Sequence[Any]):
+    """The first dimension of the first tensor argument that has one (a plain loop: Dynamo
+    before 2.7 cannot trace next() with a default)."""
+    for v in values:
+        if isinstance(v, Tensor) and v.dim() > 0:
+            return v.shape[0]
+    return None
+
+
 def argument_spec(values: Sequence[Any]) -> tuple:
     """The arguments as a plan sees them: for tensors, whether per sample, shape past the
     batch, dtype and device type; other values as they are (hashable)."""
-    batch = next((v.shape[0] for v in values if isinstance(v, Tensor) and v.dim() > 0), None)
+    batch = batch_size(values)
     parts = []
     for v in values:
         if isinstance(v, Tensor):
@@ -296,7 +306,7 @@ _MISSING = object()
 
 def _trace_inputs(block: nn.Module, values: Sequence[Any]) -> Tuple[List[Tuple[str, Any]], Dict[str, Tensor], Set[str]]:
     names = signature(original_class(type(block)))[0]
-    batch = next((v.shape[0] for v in values if isinstance(v, Tensor) and v.dim() > 0), None)
+    batch = batch_size(values)
     inputs, metas, rows = [], {}, set()
     for name, v in zip(names, values):
         if isinstance(v, Tensor):

@@ -110,7 +110,7 @@ def slot_call(
         materialize = blk.__dict__["_maskedbranch_timm"].materialize
         if residual:
             return add_residual(base, branch, p, True, mode, scale_by_keep, generator, "random", per_row, None,
-                                params, materialize)
+                                params, materialize, module=False)
         return masked(lead, branch, p, mode, scale_by_keep, generator, per_row[1:], params, materialize, output)
 
     call.__name__ = call.__qualname__ = "drop_path_" + dp_path.replace(".", "_")
