@@ -83,10 +83,10 @@ def check_x(x: Any) -> None:
         raise TypeError(f"x: expected a floating-point tensor (float64, float32, float16 or bfloat16), got dtype {x.dtype}")
 
 
-_TRAINING_HINT = (
-    "; the argument order is drop_path(x, drop_prob, training, *, mode=..., scale_by_keep=...) "
-    "(torchvision's stochastic_depth(x, p, mode, training) order does not apply: pass mode by name)"
-)
+_ORDERS = {  # the positional order of each form, named when a string lands in `training`
+    "drop_path": "drop_path(x, drop_prob, training, *, mode=..., scale_by_keep=...)",
+    "drop_add_residual": "drop_add_residual(x, branch, drop_prob, training, *, mode=..., scale_by_keep=...)",
+}
 
 
 def take_positional(where: str, names: Sequence[str], values: Sequence[Any], given: Dict[str, Any]) -> Dict[str, Any]:
@@ -127,5 +127,9 @@ _UNSET: Any = _Unset()
 UNSET = _UNSET
 
 
-def training_flag(training: Any) -> bool:
-    return check_bool(training, "training", _TRAINING_HINT if isinstance(training, str) else "")
+def training_flag(training: Any, where: str) -> bool:
+    hint = ""
+    if isinstance(training, str) and where in _ORDERS:
+        hint = (f"; the argument order is {_ORDERS[where]} (torchvision's stochastic_depth(x, p, mode, "
+                "training) order does not apply: pass mode by name)")
+    return check_bool(training, f"{where}: training", hint)

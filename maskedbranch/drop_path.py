@@ -69,7 +69,7 @@ def drop_path(
     """
     check_x(x)
     p = check_drop_prob(drop_prob)
-    training = training_flag(training)
+    training = training_flag(training, "drop_path")
     scale_by_keep, mode, generator = _resolve("drop_path", deprecated, scale_by_keep, mode, generator)
     return _drop_path(x, p, training, scale_by_keep, mode, generator)
 
@@ -174,7 +174,7 @@ def stochastic_depth(input: Tensor, p: float, mode: str, training: bool = True) 
     """torchvision's ``stochastic_depth(input, p, mode, training=True)``, argument for argument
     (``mode`` is "row" or "batch"); the same results as torchvision's for the same seed."""
     check_x(input)
-    return _drop_path(input, check_drop_prob(p), training_flag(training), True, check_mode(mode), None)
+    return _drop_path(input, check_drop_prob(p), training_flag(training, "stochastic_depth"), True, check_mode(mode), None)
 
 
 class StochasticDepth(DropPath):

@@ -35,12 +35,6 @@ def _as_branch_list(branches: Any, callables: bool) -> List[Any]:
     return out
 
 
-def _check_materialize(value: Any) -> Optional[bool]:
-    if value is None or isinstance(value, bool):
-        return value
-    raise TypeError(f"materialize_grads: expected None (automatic), True or False, got {type(value).__name__}")
-
-
 class MaskedBranch(_structure.RoutingModuleList):
     r"""An ``nn.ModuleList`` of branches that runs each row through the branches its gate selects,
     and only those: ``y[b] = sum_i g[b, i] * branch_i(x[b], ...)``.
@@ -54,12 +48,13 @@ class MaskedBranch(_structure.RoutingModuleList):
             branches return the same trailing shape and dtype. Branches that run collectives
             (``nn.SyncBatchNorm``, DDP- or FSDP-wrapped modules, DTensor parameters) are refused:
             skipped on one rank, their collective would hang the others.
-        materialize_grads: what the parameters of branches that did not run receive. ``None``
-            (default): what the training setting needs, so that training equals the if/else code
-            (docs/guides/ddp.md): undefined gradients in one process and under DDP, zeros under
-            FSDP2, ``static_graph`` and other distributed settings, and before each optimizer step
-            the gradients of parameters that no rank used are set back to ``None``. ``True``:
-            always zeros; ``False``: always undefined (both without that reset).
+        materialize_grads: what the parameters of branches that did not run receive.
+            ``"auto"`` / ``None`` (default): what the if/else code gives them, in every training
+            setting (docs/guides/ddp.md): nothing in one process (``.grad`` stays ``None``);
+            under a data-parallel wrapper a gradient that the wrapper can reduce, reset to
+            ``None`` before the optimizer step where no rank used them. ``"zeros"`` / ``True``:
+            always zero gradients; ``"none"`` / ``False``: never a gradient from the routing
+            (DDP fills zeros itself); both without the reset.
 
     ``forward(x, gate, *args, **kwargs)``, where ``x`` is ``[B, ...]`` and ``gate`` is:
 
@@ -84,10 +79,10 @@ class MaskedBranch(_structure.RoutingModuleList):
     ``torch.jit.script`` is refused with a message (see ``__prepare_scriptable__``).
     """
 
-    def __init__(self, branches: Iterable[nn.Module], *, materialize_grads: Optional[bool] = None):
+    def __init__(self, branches: Iterable[nn.Module], *, materialize_grads: Any = None):
         mods = _as_branch_list(branches, callables=False)
         super().__init__(mods)
-        self.materialize_grads = _check_materialize(materialize_grads)
+        self.materialize_grads = _dead_grads.materialize(materialize_grads)
         self._cache: Optional[_structure.Branches] = None
         self._signatures = _route.Signatures()
         self._usage = _usage.Usage()
@@ -178,7 +173,15 @@ class MaskedBranch(_structure.RoutingModuleList):
         )
 
     def extra_repr(self) -> str:
-        return "" if self.materialize_grads is None else f"materialize_grads={self.materialize_grads}"
+        return "" if self.materialize_grads is None else f"materialize_grads={_dead_grads.materialize_name(self.materialize_grads)}"
+
+    def __repr__(self) -> str:
+        # nn.ModuleList's repr lists the children only: the setting goes on the first line
+        text, extra = super().__repr__(), self.extra_repr()
+        if not extra:
+            return text
+        head, sep, rest = text.partition("(\n")
+        return f"{head}({extra}\n{rest}" if sep else f"{type(self).__name__}({extra})"
 
     def __setstate__(self, state) -> None:
         # copy.deepcopy and pickle: caches and usage start fresh, and the copy is registered

@@ -61,7 +61,7 @@ case("MaskedBranch/a single module", TypeError, r"^branches: expected an iterabl
 case("MaskedBranch/a function among modules", TypeError, r"^branches\[1\]: expected an nn\.Module, got builtin_function")(
     lambda w: functools.partial(MaskedBranch, [nn.Linear(D, D), torch.sin])
 )
-case("MaskedBranch/materialize_grads a string", TypeError, r"^materialize_grads: expected None \(automatic\), True or False, got str")(
+case("MaskedBranch/materialize_grads a string", TypeError, r"^materialize_grads: expected 'auto' \(None\), 'zeros' \(True\) or 'none' \(False\), got 'yes'")(
     lambda w: functools.partial(MaskedBranch, [nn.Linear(D, D)], materialize_grads="yes")
 )
 call("MaskedBranch/x not a tensor", TypeError, r"^x: expected a tensor, got list", lambda w: w.mb([[1.0] * D] * B, 0))
@@ -226,7 +226,7 @@ call("ResidualDropPath/drop_prob a list", TypeError, r"^drop_prob: expected a nu
       lambda w: ResidualDropPath(nn.Identity(), [0.5]))
 call("ResidualDropPath/generator on a GPU", ValueError, r"^generator: expected a CPU torch\.Generator, got one on cuda",
       lambda w: ResidualDropPath(nn.Identity(), 0.5, generator=cuda_generator()))
-call("ResidualDropPath/materialize_grads an int", TypeError, r"^materialize_grads: expected None \(automatic\), True or False, got int",
+call("ResidualDropPath/materialize_grads an int", TypeError, r"^materialize_grads: expected 'auto' \(None\), 'zeros' \(True\) or 'none' \(False\), got 1",
       lambda w: ResidualDropPath(nn.Identity(), 0.5, materialize_grads=1))
 call("ResidualDropPath/x not a tensor", TypeError, r"^x: expected a tensor, got list", lambda w: w.res([[1.0] * D] * B))
 call("ResidualDropPath/per-row keyword argument on another device", ValueError, r"^mask: a per-row argument \(first dimension 6, routed with x\) must live on x's device",

@@ -57,6 +57,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
         f"transformers 5's forwards), found {transformers.__version__}"
     )
 
+from .. import _dead_grads
 from . import _spec_embed
 from ._layerdrop import _HOOKED, LayerDropList, _enter, _holder, _leave
 from ._transformers_rules import FAMILIES, REFUSED, RULES, Rule
@@ -150,8 +151,7 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: Optional[
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    if materialize_grads is not None and not isinstance(materialize_grads, bool):
-        raise TypeError(f"materialize_grads: expected None (automatic), True or False, got {type(materialize_grads).__name__}")
+    materialize_grads = _dead_grads.materialize(materialize_grads)
     report = PatchReport()
     todo: List[Tuple[str, nn.Module, Rule]] = []
     for name, module in model.named_modules():
