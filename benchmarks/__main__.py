@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 
-SUITES = ["masked", "overhead", "ddp", "nas", "droppath", "kernels", "timm", "hf"]
+SUITES = ["masked", "overhead", "ddp", "nas", "droppath", "kernels", "timm", "hf", "compile"]
 
 
 def machine(device: str) -> str:

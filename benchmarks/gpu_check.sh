@@ -12,7 +12,10 @@
 #    plan kernels' included;
 # 4. side by side: the rest of the test suite, and compute-sanitizer memcheck and racecheck over
 #    the GPU op tests (when compute-sanitizer exists);
-# 5. the GPU benchmarks: `python -m benchmarks --quick --device cuda` when benchmarks/ is a package,
+# 5. the compiled cases on the GPU: every gate kind and the residual forms with fullgraph=True
+#    through inductor against eager, a patched timm ViT, and kept="fixed" in a CUDA graph
+#    (mode="reduce-overhead"), with the graphs counted and the cudagraph skips listed;
+# 6. the GPU benchmarks: `python -m benchmarks --quick --device cuda` when benchmarks/ is a package,
 #    else every benchmarks/bench_*.py with --device cuda (fewer repetitions than their default).
 # Every step runs under `timeout` and inside one overall time budget (GPU_CHECK_BUDGET_S,
 # default 480 s; the build alone is capped at GPU_CHECK_BUILD_S, default 300 s): a step that
@@ -192,6 +195,59 @@ PYEOF
 }
 export -f kernel_bandwidth
 step kernel_bandwidth 90 kernel_bandwidth
+
+# torch.compile on the GPU: fullgraph through inductor against eager, and a CUDA graph.
+compiled_cases() {
+  "$PY" - <<'PYEOF'
+import copy, torch, maskedbranch as mb
+from torch import nn
+from torch._dynamo.utils import counters
+torch.manual_seed(0)
+dev = "cuda"
+def mlp(d=256):
+    return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)).to(dev)
+def check(name, module, calls, mode=None, steps=6, fullgraph=True):
+    torch.compiler.reset(); counters.clear()
+    twin = copy.deepcopy(module)
+    compiled = torch.compile(twin, fullgraph=fullgraph, mode=mode)
+    worst = 0.0
+    for s in range(steps):
+        args = calls(s)
+        x = torch.randn(512, 256, device=dev)
+        torch.manual_seed(s); want = module(x, *args)
+        torch.manual_seed(s); got = compiled(x, *args)
+        got.sum().backward(); want.sum().backward()
+        worst = max(worst, float((got - want).abs().max()))
+    print(f"{name:<34} max|compiled - eager| {worst:.2e}  graphs {counters['stats']['unique_graphs']}  "
+          f"breaks {sum(counters['graph_break'].values())}  cudagraph skips {dict(counters['inductor']) and {k: v for k, v in counters['inductor'].items() if 'cudagraph' in k}}")
+    assert worst < 1e-3, name
+gen = torch.Generator().manual_seed(1)
+experts = mb.MaskedBranch([mlp() for _ in range(8)])
+check("ids gate (CPU gate, CUDA x)", experts, lambda s: (torch.randint(-1, 8, (512,), generator=gen),))
+check("weights gate (device gate)", experts, lambda s: ((torch.rand(512, 8, device=dev) * (torch.rand(512, 8, device=dev) < 0.25)),))
+check("int path", experts, lambda s: (s % 8,))
+check("ResidualDropPath row 0.3", mb.ResidualDropPath(mlp(), 0.3), lambda s: ())
+check("ResidualDropPath batch 0.3", mb.ResidualDropPath(mlp(), 0.3, mode="batch"), lambda s: ())
+fixed = mb.ResidualDropPath(mlp(), 0.3, kept="fixed")
+check("kept=fixed, reduce-overhead", fixed, lambda s: (), mode="reduce-overhead", steps=8)
+try:
+    import timm
+    from maskedbranch.integrations import timm as mb_timm
+    vit = timm.create_model("vit_tiny_patch16_224", drop_path_rate=0.3, img_size=64, num_classes=10).to(dev)
+    mb_timm.patch(vit)
+    torch.compiler.reset(); counters.clear()
+    cv = torch.compile(copy.deepcopy(vit), fullgraph=True)
+    for s in range(4):
+        x = torch.randn(32, 3, 64, 64, device=dev)
+        torch.manual_seed(s); a = cv(x); torch.manual_seed(s); b = vit(x)
+        a.sum().backward(); b.sum().backward()
+    print(f"{'patched timm ViT':<34} max|compiled - eager| {float((a - b).abs().max()):.2e}  graphs {counters['stats']['unique_graphs']}")
+except ImportError as e:
+    print("timm not installed:", e)
+PYEOF
+}
+export -f compiled_cases
+step compiled 150 compiled_cases
 
 # The rest of the suite (the GPU op tests ran above); the sanitizers run beside it, over the GPU
 # op tests without the slow ones (opcheck, gradcheck, >2^31 elements) and the child processes

@@ -1,0 +1,283 @@
+"""Compiled against compiled (inductor, CPU): the train step of routed models under torch.compile,
+the graphs it takes, and what compiling costs. Issue 22's budgets:
+
+1. **timm** (ViT-S/16 and ConvNeXt-T at 112 px, drop_path_rate 0.4): patched compiled / timm
+   compiled at most 1.05x the ideal; patched compile time at most 1.2x timm's. The ideal is the
+   eager suite's (suite_timm): the patched step with every branch kept, less the branches' share
+   times the dropped fraction, over timm's step; the share is measured here as (every branch kept
+   - every branch dropped), all compiled (an approximation that weights the blocks' kept fractions
+   equally).
+2. **Supernet** (benchmarks/models.py, 12 choice layers x 4 ShuffleNetV2 choices, a random path
+   per step as a forward argument): compiled MaskedBranch at most 0.9x the *eager* if/else step,
+   one graph after the first steps; compile time and graphs beside if/else compiled, which
+   specializes on every path (until Dynamo's recompile limit sends it to eager).
+3. **Mixture of experts** (8 MLP experts, a router, top-1 ids and top-2 weights gates): compiled
+   at most 1.05x the oracle compiled (each expert on its rows, split before the timed region).
+
+Plain ``torch.compile`` runs with the two capture flags set (docs/guides/compile.md); timm models
+and the MoE with ``fullgraph=True``. Every contender is compiled once, warmed up, then timed
+interleaved; SGD with lr 0 keeps the models equal across repetitions.
+"""
+from __future__ import annotations
+
+if __name__ == "__main__" and not __package__:  # run as a file (e.g. by a loop over benchmarks/*.py)
+    print("run the suite as a module: python -m benchmarks --only <suite>")
+    raise SystemExit(0)
+
+import copy
+import random
+import time
+from typing import Callable, Dict, List
+
+import torch
+from torch import nn
+
+import maskedbranch as mb
+
+from . import interleaved, label, med, note, paired, settings, table, threads
+from .models import Supernet, mlp
+
+TIMM = {"ViT-S": ("vit_small_patch16_224", dict(img_size=112)), "ConvNeXt-T": ("convnext_tiny", {})}
+SIZES = {  # batch of the timm models, image side, reps, warmup
+    "smoke": (2, 32, 2, 1), "quick": (8, 112, 6, 2), "full": (32, 112, 10, 3),
+}
+
+
+def _flags():
+    return torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
+
+
+class Counted:
+    """torch.compile with inductor behind a counter of the graphs it compiles."""
+
+    def __init__(self, options=None):
+        self.graphs, self.options = 0, options or {}
+
+    def __call__(self, gm, example_inputs):
+        import torch._inductor.config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        with inductor_config.patch(self.options):  # as torch.compile(options=...) applies them
+            return compile_fx(gm, example_inputs)
+
+
+def _train_step(model: nn.Module, opt, inputs: Callable, loss: Callable) -> Callable:
+    def run():
+        args, target = inputs()
+        loss(model(*args), target).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return run
+
+
+def _compile(model: nn.Module, fullgraph: bool, options=None):
+    counter = Counted(options)
+    return torch.compile(model, backend=counter, fullgraph=fullgraph), counter
+
+
+def _first_steps(step: Callable, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. timm
+
+
+def _timm_rows(cfg) -> List[list]:
+    import timm
+
+    from maskedbranch.integrations.timm import patch
+
+    batch, side, reps, warmup = SIZES[cfg.size]
+    rates = (0.4,) if cfg.size == "smoke" else (0.1, 0.2, 0.4)
+    rows = []
+    for name, (model_name, kw) in TIMM.items():
+        if cfg.size == "smoke":
+            kw = dict(img_size=side, depth=2, embed_dim=64, num_heads=2) if name == "ViT-S" else dict(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128))
+        x, y = torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
+
+        def build(rate, patched, forced=None):
+            torch.manual_seed(0)
+            model = timm.create_model(model_name, pretrained=False, num_classes=10, drop_path_rate=rate, **kw)
+            if patched:
+                patch(model)
+            if forced is not None:  # every block kept (0.0) or dropped (1.0): the blocks' share of the step
+                for m in model.modules():
+                    if type(m).__name__ == "DropPath":
+                        m.drop_prob = forced
+            # Routed convolutions on CPU need inductor's layout optimization off (docs/guides/compile.md)
+            options = {"layout_optimization": False} if patched and name == "ConvNeXt-T" else None
+            compiled, counter = _compile(model, fullgraph=True, options=options)
+            opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+            step = _train_step(compiled, opt, lambda: ((x,), y), nn.functional.cross_entropy)
+            torch.manual_seed(0)
+            seconds = _first_steps(step, 1)
+            _first_steps(step, warmup)
+            return step, seconds, counter
+
+        share = {key: build(0.4, True, forced) for key, forced in (("all kept", 0.0), ("all dropped", 1.0))}
+        for rate in rates:
+            made = {"timm": build(rate, False), "patched": build(rate, True)}
+            steps = {k: v[0] for k, v in {**made, **share}.items()}
+            seeds = iter(range(10**6))
+            for t, clock in settings(cfg):
+                with threads(t):
+                    times = interleaved(steps, reps, 1, cfg.device, clock, lambda n, r: torch.manual_seed(next(seeds)))
+                t_kept, t_drop, t_timm = (med(times[k]) for k in ("all kept", "all dropped", "timm"))
+                kept = 1.0 - rate / 2  # timm's linear schedule from 0 to the rate: mean keep probability
+                ideal = (t_kept - (t_kept - t_drop) * (1.0 - kept)) / t_timm
+                ratio = paired(times, "patched", "timm")
+                c_timm, c_patched = made["timm"][1], made["patched"][1]
+                rows.append([name, rate, label(t, clock), t_timm * 1e3, med(times["patched"]) * 1e3, ratio, ideal,
+                             ratio / ideal, ratio / ideal <= 1.05, c_timm, c_patched, c_patched / c_timm,
+                             f"{made['timm'][2].graphs} / {made['patched'][2].graphs}"])
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. The supernet
+
+
+def _supernet_rows(cfg) -> List[list]:
+    widths, stem, side, batch = {"smoke": ((16, 32, 64), 8, 16, 4), "quick": ((24, 48, 96), 16, 32, 16),
+                                 "full": ((48, 96, 192), 16, 32, 32)}[cfg.size]
+    _, _, reps, warmup = SIZES[cfg.size]
+    rng = random.Random(0)
+    paths = [[rng.randrange(4) for _ in range(12)] for _ in range(200)]
+    x, y = torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
+    cursor = {"i": 0}
+
+    def inputs():
+        cursor["i"] += 1
+        return (x, paths[cursor["i"] % len(paths)]), y
+
+    torch.manual_seed(0)
+    masked = Supernet("masked", widths=widths, stem=stem)
+    ifelse = Supernet("if/else", widths=widths, stem=stem)
+    ifelse.load_state_dict(masked.state_dict())
+    steps, compile_s, graphs = {}, {}, {}
+    with _flags():
+        for key, model, comp in (("masked compiled", masked, True), ("if/else compiled", copy.deepcopy(ifelse), True),
+                                 ("if/else eager", ifelse, False)):
+            opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+            # routed convolutions on CPU: inductor's layout optimization off (docs/guides/compile.md)
+            options = {"layout_optimization": False} if key == "masked compiled" else None
+            target, counter = _compile(model, fullgraph=False, options=options) if comp else (model, None)
+            steps[key] = _train_step(target, opt, inputs, nn.functional.cross_entropy)
+            compile_s[key] = _first_steps(steps[key], 1)
+            _first_steps(steps[key], warmup + 4)
+            graphs[key] = counter.graphs if counter else 0
+        rows = []
+        for t, clock in settings(cfg):
+            with threads(t):
+                times = interleaved(steps, reps, 1, cfg.device, clock)
+            rows.append(["supernet 12 x 4", label(t, clock), med(times["if/else eager"]) * 1e3,
+                         med(times["masked compiled"]) * 1e3, med(times["if/else compiled"]) * 1e3,
+                         paired(times, "masked compiled", "if/else eager"),
+                         paired(times, "masked compiled", "if/else eager") <= 0.9, compile_s["masked compiled"],
+                         compile_s["if/else compiled"], f"{graphs['masked compiled']} / {graphs['if/else compiled']}"])
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Mixture of experts
+
+
+class _Router(nn.Module):
+    def __init__(self, d: int, h: int, n: int, top: int):
+        super().__init__()
+        self.top = top
+        self.router = nn.Linear(d, n)
+        self.experts = mb.MaskedBranch([mlp(d, h) for _ in range(n)])
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        if self.top == 1:
+            return self.experts(x, probs.argmax(-1)) * probs.max(-1).values.unsqueeze(-1)
+        top, idx = probs.topk(self.top, dim=-1)
+        return self.experts(x, torch.zeros_like(probs).scatter(-1, idx, top))
+
+
+def _moe_rows(cfg) -> List[list]:
+    d, h, n, rows_n = {"smoke": (32, 64, 8, 256), "quick": (128, 512, 8, 4096), "full": (256, 1024, 8, 8192)}[cfg.size]
+    _, _, reps, warmup = SIZES[cfg.size]
+    rows = []
+    for top in (1, 2):
+        torch.manual_seed(0)
+        model = _Router(d, h, n, top)
+        x = torch.randn(rows_n, d)
+        with torch.no_grad():
+            probs = model.router(x).softmax(-1)
+            idx = probs.topk(top, dim=-1).indices
+        # the oracle: each expert on its rows, split once outside the timed step
+        parts = [x[(idx == e).any(-1)] for e in range(n)]
+
+        class Oracle(nn.Module):
+            def __init__(self, experts):
+                super().__init__()
+                self.experts = experts
+
+            def forward(self, *xs):
+                return sum(e(p).sum() for e, p in zip(self.experts, xs))
+
+        oracle = Oracle(model.experts)
+        c_model, g_model = _compile(model, fullgraph=True)
+        c_oracle, g_oracle = _compile(oracle, fullgraph=True)
+        steps = {"masked": lambda: c_model(x).sum().backward(), "oracle": lambda: c_oracle(*parts).backward()}
+        compile_s = {k: _first_steps(fn, 1) for k, fn in steps.items()}
+        for fn in steps.values():
+            _first_steps(fn, warmup)
+        for t, clock in settings(cfg):
+            with threads(t):
+                times = interleaved(steps, reps, 1, cfg.device, clock)
+            ratio = paired(times, "masked", "oracle")
+            rows.append([f"top-{top} ({'ids' if top == 1 else 'weights'} gate)", label(t, clock), med(times["oracle"]) * 1e3,
+                         med(times["masked"]) * 1e3, ratio, ratio <= 1.05, compile_s["masked"], f"{g_model.graphs} / {g_oracle.graphs}"])
+    return rows
+
+
+def run(cfg) -> list:
+    if cfg.device == "cuda":
+        note(cfg, "compile: CPU inductor only here (benchmarks/gpu_check.sh has the GPU's compiled cases)")
+        return []
+    out = []
+    try:
+        import timm  # noqa: F401
+        timm_rows = _timm_rows(cfg)
+    except ImportError as e:
+        note(cfg, f"compile: timm skipped ({e})")
+        timm_rows = []
+    if timm_rows:
+        out.append(table(
+            "torch.compile (inductor, fullgraph): patched timm vs timm, both compiled, train step",
+            ["model", "drop_path_rate", "setting", "timm ms", "patched ms", "patched / timm*", "ideal", "ratio / ideal", "<= 1.05",
+             "compile s timm", "compile s patched", "compile ratio", "graphs timm / patched"],
+            timm_rows,
+            "Budget (issue 22): ratio / ideal <= 1.05, compile ratio <= 1.2. *Median of per-repetition ratios. The ideal: "
+            "(all kept - (all kept - all dropped) x rate / 2) / timm, rate / 2 being the mean dropped fraction of "
+            "timm's linear schedule; compile s: the first step (trace, compile, run); graphs after warm-up. Patched "
+            "ConvNeXt compiles with options={'layout_optimization': False} (CPU inductor, docs/guides/compile.md), "
+            "timm with the defaults.",
+        ))
+    out.append(table(
+        "torch.compile (inductor): NAS supernet, a random path per step, compiled masked vs eager if/else",
+        ["model", "setting", "if/else eager ms", "masked compiled ms", "if/else compiled ms", "masked compiled / if/else eager*",
+         "<= 0.9", "compile s masked", "compile s if/else", "graphs masked / if/else"],
+        _supernet_rows(cfg),
+        "Budget (issue 22): masked compiled / if/else eager <= 0.9 with one graph after warm-up. if/else compiled "
+        "specializes on each path (graphs up to Dynamo's recompile limit, then eager). *Median of per-step ratios. "
+        "Masked compiles with options={'layout_optimization': False} (routed convolutions on CPU).",
+    ))
+    out.append(table(
+        "torch.compile (inductor, fullgraph): MaskedBranch as a mixture of experts (router, 8 MLP experts) vs the oracle compiled",
+        ["gate", "setting", "oracle ms", "masked ms", "masked / oracle*", "<= 1.05", "compile s masked", "graphs masked / oracle"],
+        _moe_rows(cfg),
+        "Budget (issue 22): masked / oracle <= 1.05; the oracle runs each expert on its rows split before the timed "
+        "step (no routing, no router). *Median of per-step ratios.",
+    ))
+    return out
