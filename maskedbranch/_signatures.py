@@ -1,0 +1,96 @@
+"""Output signatures of routed branches: the trailing shape and dtype of an output where no row
+reaches any branch (learned from earlier calls, else found on meta tensors), and the check that
+branches agree on them. Used by maskedbranch/_route.py."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._args import is_per_row
+from ._structure import Branches
+
+
+
+def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    try:
+        return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    except (RuntimeError, TypeError, ValueError):  # a device type without autocast
+        return None
+
+
+def _input_key(x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> tuple:
+    def sig(a: Any) -> Any:
+        if isinstance(a, Tensor):
+            return (tuple(a.shape[1:]) if is_per_row(a, x.shape[0]) else tuple(a.shape), a.dtype)
+        return a if a is None or isinstance(a, (bool, int, float, str)) else type(a)
+
+    key: tuple = (tuple(x.shape[1:]), x.dtype, _autocast_dtype(x.device))
+    if args or kwargs:
+        key += tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in kwargs.items())
+    return key
+
+
+class Signatures:
+    """Input signature -> (trailing shape, dtype, branch that produced it), learned from calls
+    (bounded: inputs of ever-changing shapes would grow it without limit)."""
+
+    def __init__(self, size: int = 32):
+        self.size = size
+        self.table: Dict[tuple, Tuple[tuple, torch.dtype, int]] = {}
+
+    def learn(self, key: tuple, y: Tensor, branch: int, label: str) -> None:
+        known = self.table.get(key)
+        if known is None:
+            if len(self.table) >= self.size:
+                self.table.pop(next(iter(self.table)))
+            self.table[key] = (tuple(y.shape[1:]), y.dtype, branch)
+        elif (known[0], known[1]) != (tuple(y.shape[1:]), y.dtype) and known[2] != branch:
+            raise _mismatch(label, y, f"{label.split('[')[0]}[{known[2]}] (in an earlier call with inputs like these)", known)
+
+
+def _mismatch(label: str, y: Tensor, other: str, ref: Tuple[tuple, torch.dtype, Any]) -> ValueError:
+    return ValueError(
+        f"{label} returns rows of shape {list(y.shape[1:])} and dtype {y.dtype}, {other} rows of shape "
+        f"{list(ref[0])} and dtype {ref[1]}; every branch must return the same trailing shape and dtype"
+    )
+
+
+def _probe(branch: Callable, x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[tuple, torch.dtype]]:
+    """(trailing shape, dtype) of ``branch``'s output on meta tensors: no compute, no effect on
+    parameters, buffers or random state. None when the branch cannot run on meta tensors."""
+    def meta(a: Any) -> Any:
+        return a.to("meta") if isinstance(a, Tensor) else a
+
+    try:
+        with torch.no_grad():
+            if isinstance(branch, torch.nn.Module):
+                state = {k: meta(v) for k, v in branch.named_parameters(remove_duplicate=False)}
+                state.update({k: meta(v) for k, v in branch.named_buffers(remove_duplicate=False)})
+                y = torch.func.functional_call(branch, state, (meta(x), *map(meta, args)), {k: meta(v) for k, v in kwargs.items()}, strict=False)
+            else:
+                y = branch(meta(x), *map(meta, args), **{k: meta(v) for k, v in kwargs.items()})
+    except Exception:  # noqa: BLE001 - any failure means "unknown"
+        return None
+    if not isinstance(y, Tensor) or y.dim() < 1:
+        return None
+    dtype = _autocast_dtype(x.device) if y.dtype != x.dtype and _autocast_dtype(x.device) else y.dtype
+    return tuple(y.shape[1:]), dtype
+
+
+def _dead_output_signature(
+    table: Branches, signatures: Optional[Signatures], x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any], where: str
+) -> Tuple[tuple, torch.dtype]:
+    known = signatures.table.get(_input_key(x, args, kwargs)) if signatures is not None else None
+    if known is not None:
+        return known[0], known[1]
+    for branch in table.branches:
+        sig = _probe(branch, x, args, kwargs)
+        if sig is not None:
+            return sig
+    raise RuntimeError(
+        f"{where}: no row reached any branch, and the output's trailing shape and dtype could not be "
+        "inferred (no earlier call with inputs like these, and no branch runs on meta tensors). Make "
+        "one call with at least one live row first."
+    )
