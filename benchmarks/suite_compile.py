@@ -43,6 +43,22 @@ SIZES = {  # batch of the timm models, image side, reps, warmup
 }
 
 
+def _recompile_limit(n: int):
+    """Dynamo counts recompiles per code object across model instances: the timm part compiles
+    eight or more models of one class (per drop rate, timm and patched, every block kept or
+    dropped), each compiled once; the default limit (8) would send the later ones to eager."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    return dynamo_config.patch(**{name: n})
+
+
+def _progress(what: str, seconds: float) -> None:
+    import sys
+
+    print(f"  compile suite: {what}: first step {seconds:.1f} s", file=sys.stderr, flush=True)
+
+
 def _flags():
     return torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
 
@@ -117,6 +133,7 @@ def _timm_rows(cfg) -> List[list]:
             step = _train_step(compiled, opt, lambda: ((x,), y), nn.functional.cross_entropy)
             torch.manual_seed(0)
             seconds = _first_steps(step, 1)
+            _progress(f"{name} {'patched' if patched else 'timm'} rate {rate} forced {forced}", seconds)
             _first_steps(step, warmup)
             return step, seconds, counter
 
@@ -156,6 +173,7 @@ def _supernet_rows(cfg) -> List[list]:
         cursor["i"] += 1
         return (x, paths[cursor["i"] % len(paths)]), y
 
+    torch.compiler.reset()  # the timm part's compiled models are done with
     torch.manual_seed(0)
     masked = Supernet("masked", widths=widths, stem=stem)
     ifelse = Supernet("if/else", widths=widths, stem=stem)
@@ -170,6 +188,7 @@ def _supernet_rows(cfg) -> List[list]:
             target, counter = _compile(model, fullgraph=False, options=options) if comp else (model, None)
             steps[key] = _train_step(target, opt, inputs, nn.functional.cross_entropy)
             compile_s[key] = _first_steps(steps[key], 1)
+            _progress(f"supernet {key}", compile_s[key])
             _first_steps(steps[key], warmup + 4)
             graphs[key] = counter.graphs if counter else 0
         rows = []
@@ -207,6 +226,7 @@ def _moe_rows(cfg) -> List[list]:
     d, h, n, rows_n = {"smoke": (32, 64, 8, 256), "quick": (128, 512, 8, 4096), "full": (256, 1024, 8, 8192)}[cfg.size]
     _, _, reps, warmup = SIZES[cfg.size]
     rows = []
+    torch.compiler.reset()
     for top in (1, 2):
         torch.manual_seed(0)
         model = _Router(d, h, n, top)
@@ -248,7 +268,8 @@ def run(cfg) -> list:
     out = []
     try:
         import timm  # noqa: F401
-        timm_rows = _timm_rows(cfg)
+        with _recompile_limit(64):
+            timm_rows = _timm_rows(cfg)
     except ImportError as e:
         note(cfg, f"compile: timm skipped ({e})")
         timm_rows = []
