@@ -20,7 +20,6 @@ import maskedbranch as mb
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "guides").glob("*.md"))
-TORCH = tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
 
 
 def snippets():
@@ -100,13 +99,9 @@ def tiny_wav2vec2(monkeypatch):
     monkeypatch.setattr(transformers.Wav2Vec2ForCTC, "from_pretrained", classmethod(from_pretrained))
 
 
-def routed_mask_model():
-    return Tagged(), torch.randn(4, 8), torch.rand(4, 3) < 0.5
-
-
 def readme_doctor(monkeypatch):
-    model, x, m = routed_mask_model()
-    return dict(model=model, x=x, m=m, x0=torch.randn(4, 8), x1=torch.randn(4, 8), m1=torch.rand(4, 3) < 0.5)
+    return dict(model=Tagged(), x=torch.randn(4, 8), m=torch.rand(4, 3) < 0.5, x0=torch.randn(4, 8), x1=torch.randn(4, 8),
+                m1=torch.rand(4, 3) < 0.5)
 
 
 def guide_doctor(monkeypatch):
@@ -125,7 +120,7 @@ def drop_path_fragment(monkeypatch):
 
 
 def compiled_ddp(monkeypatch):
-    if TORCH < (2, 13):
+    if torch.__version__ < "2.13":
         pytest.skip("compiled autograd with DDP's Python reducer needs torch >= 2.13 (the guide says so)")
     class Net(nn.Module):
         def __init__(self):
@@ -144,7 +139,7 @@ def compiled_ddp(monkeypatch):
 
 
 def fsdp2_setup(monkeypatch):
-    if TORCH < (2, 7):
+    if torch.__version__ < "2.7":
         pytest.skip("FSDP2 on CPU tensors, and sharding a ModuleList subclass, need torch >= 2.7 (the guide says so)")
     return dict(make_expert=lambda: nn.Linear(256, 256))
 
