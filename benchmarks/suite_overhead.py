@@ -9,9 +9,13 @@ cancels the machine's drift between chunks. Modes:
 * one process: forward under ``torch.no_grad()``, forward with autograd on (x requires grad), and
   forward+backward;
 * under DDP, 1 rank (gloo on CPU): the forward with autograd on inside a DDP forward (a chain of
-  calls per DDP forward, DDP's own cost cancels in the difference). Here the layer ties the other
-  branches' parameters into the graph (a copy of the output), which is part of its overhead; what
-  the tie costs in the backward and the reducer shows in the DDP suites.
+  calls per DDP forward, DDP's own cost cancels in the difference);
+* in a training loop, as users train: a model of ``LOOP_LAYERS`` routed residual layers whose
+  path changes every iteration, each iteration a forward, a backward and an AdamW step. In one
+  process against the same if/else model; under DDP (1 and 2 gloo ranks) against the if/else model
+  under ``find_unused_parameters=True``, the flag MaskedBranch replaces. The per-call figures are
+  the differences of the forward and of the whole step divided by the routed calls per forward;
+  both contenders' parameters must be equal bit for bit after the timed iterations.
 
 At every ``--threads`` setting (2 threads wall clock, 1 thread CPU time by default). Before timing,
 A's output is checked to equal B's bitwise.
@@ -33,7 +37,9 @@ from maskedbranch import MaskedBranch
 from . import ab_chunks, check, label, max_diff, no_grad, settings, spawn_ranks, table, threads
 
 BUDGET_US = 15.0
+LOOP_BUDGET_US = {"one process": 5.0, "DDP": 10.0}  # issue 29: a routed call in a training loop
 D, ROWS, CHAIN = 64, 16, 8
+LOOP_LAYERS, LOOP_N, LOOP_D, LOOP_H, LOOP_ROWS = 32, 4, 32, 64, 16
 
 
 def _layer(device) -> MaskedBranch:
@@ -95,6 +101,73 @@ def _ddp_job(rank: int, world: int, job: dict) -> dict:
     return {"rows": rows, "same": same}
 
 
+class LoopNet(nn.Module):
+    """``LOOP_LAYERS`` residual layers of ``LOOP_N`` MLP branches, one branch per layer and
+    iteration: ``layer(x, k)`` (MaskedBranch) or ``layer[k](x)`` (the if/else model)."""
+
+    def __init__(self, masked: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.masked = masked
+        mlp = lambda: nn.Sequential(nn.Linear(LOOP_D, LOOP_H), nn.GELU(), nn.Linear(LOOP_H, LOOP_D))  # noqa: E731
+        self.layers = nn.ModuleList(
+            (MaskedBranch if masked else nn.ModuleList)([mlp() for _ in range(LOOP_N)]) for _ in range(LOOP_LAYERS))
+
+    def forward(self, x, path):
+        for layer, k in zip(self.layers, path):
+            x = x + (layer(x, k) if self.masked else layer[k](x))
+        return x
+
+
+def _loop_job(rank: int, world: int, job: dict) -> dict:
+    """Interleaved training iterations of MaskedBranch and if/else (under DDP: if/else with
+    find_unused_parameters=True); per-call differences of the forward and of the step."""
+    import time
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = job["ddp"]
+    contenders = {}
+    for name, masked in (("masked", True), ("if/else", False)):
+        model = LoopNet(masked)
+        wrapped = DDP(model, find_unused_parameters=not masked) if ddp else model
+        contenders[name] = (wrapped, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
+    g = torch.Generator().manual_seed(rank)
+    times = {k: {"fwd": [], "step": []} for k in contenders}
+    with threads(job["threads"]):
+        for it in range(job["warmup"] + job["iterations"]):
+            x = torch.randn(LOOP_ROWS, LOOP_D, generator=g)
+            path = torch.randint(0, LOOP_N, (LOOP_LAYERS,), generator=g).tolist()
+            names = list(contenders) if it % 2 == 0 else list(reversed(contenders))
+            for name in names:
+                model, opt = contenders[name]
+                if ddp:
+                    torch.distributed.barrier()
+                t0 = time.perf_counter()
+                out = model(x, path)
+                t1 = time.perf_counter()
+                out.square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                t2 = time.perf_counter()
+                if it >= job["warmup"]:
+                    times[name]["fwd"].append(t1 - t0)
+                    times[name]["step"].append(t2 - t0)
+    same = max_diff([p.detach() for p in contenders["masked"][1].param_groups[0]["params"]],
+                    [p.detach() for p in contenders["if/else"][1].param_groups[0]["params"]])
+
+    def per_call(phase):
+        d = [(a - b) / LOOP_LAYERS * 1e6 for a, b in zip(times["masked"][phase], times["if/else"][phase])]
+        return statistics.median(d)
+
+    ratio = statistics.median(a / b for a, b in zip(times["masked"]["step"], times["if/else"]["step"]))
+    where = f"DDP, {world} rank{'s' if world > 1 else ''}" if ddp else "one process"
+    ref = "if/else + find_unused_parameters=True" if ddp else "if/else"
+    return {"row": [where, f"training loop, against {ref}", label(job["threads"], "wall"),
+                    statistics.median(times["if/else"]["step"]) * 1e3, per_call("fwd"), per_call("step"), ratio],
+            "same": same}
+
+
 def run(cfg) -> list:
     sizes = {"smoke": dict(calls=20, chunks=4, warmup=1), "quick": dict(calls=100, chunks=15, warmup=2),
              "full": dict(calls=200, chunks=41, warmup=3)}[cfg.size]
@@ -109,7 +182,17 @@ def run(cfg) -> list:
     check(cfg, "overhead: under DDP, layer(x, k) == layer[k](x)", res["same"])
     rows += res["rows"]
     rows = [r + [r[4] <= BUDGET_US] for r in rows]
-    return [table(
+    loop_sizes = {"smoke": (3, 6), "quick": (20, 120), "full": (30, 300)}[cfg.size]
+    loop_rows = []
+    if cfg.device == "cpu":
+        for t, _clock in settings(cfg):
+            for ddp, world in ((False, 1), (True, 1), (True, 2)):
+                job = dict(ddp=ddp, threads=t, warmup=loop_sizes[0], iterations=loop_sizes[1])
+                res = spawn_ranks(_loop_job, world, job) if ddp else _loop_job(0, 1, job)
+                check(cfg, f"overhead: training loop ({res['row'][0]}): parameters equal to if/else's", res["same"])
+                budget = LOOP_BUDGET_US["DDP" if ddp else "one process"]
+                loop_rows.append(res["row"] + [res["row"][5] <= budget])
+    tables = [table(
         f"Int gate: per-call overhead of MaskedBranch(x, k) over calling branch k directly (Linear({D}, {D}), "
         f"{ROWS} rows; medians over {sizes['chunks']} interleaved A/B chunks of {sizes['calls']} calls, DDP: "
         f"{ddp_sizes['calls']} forwards of {CHAIN} calls)",
@@ -119,3 +202,16 @@ def run(cfg) -> list:
         "difference (chunks alternate A-B and B-A); q1 / q3: its quartiles over chunks. direct: the per-call time "
         f"of calling the branch (DDP: a DDP forward of {CHAIN} direct calls, divided by {CHAIN}).",
     )]
+    if loop_rows:
+        tables.append(table(
+            f"A routed call in a training loop: {LOOP_LAYERS} routed layers of {LOOP_N} MLP branches "
+            f"({LOOP_D} -> {LOOP_H} -> {LOOP_D}, {LOOP_ROWS} rows), a new path every iteration, forward + backward + "
+            f"AdamW step per iteration ({loop_sizes[1]} interleaved iterations)",
+            ["where", "against", "setting", "reference step ms", "fwd us per call*", "step us per call*", "step ratio",
+             "step within budget"],
+            loop_rows,
+            "*Median over iterations of (MaskedBranch - reference) / routed calls per forward. Budgets (issue 29): "
+            f"{LOOP_BUDGET_US['one process']:.0f} us per call in one process, {LOOP_BUDGET_US['DDP']:.0f} us under "
+            "DDP, for the whole step. Parameters equal bit for bit after the timed iterations.",
+        ))
+    return tables

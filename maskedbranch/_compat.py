@@ -7,7 +7,7 @@ with a public fallback that the tests exercise (tests/test_compat.py).
   former binds its arguments with ``inspect.signature`` on every call). Fallback: always the
   torch.func form (correct everywhere, slower).
 * :func:`active_ddp`: the ``DistributedDataParallel`` whose forward is running, so that the
-  routing modules can read its settings (maskedbranch/_dead_grads.py). Fallback: None, "no DDP
+  routing modules can read its settings (maskedbranch/_decide.py). Fallback: None, "no DDP
   knowledge": dead branches then get zero gradients, which is right under every DDP setting
   (maskedbranch/unused_grads.py sets those of parameters no rank used back to None), at the
   cost of the zero fills, of pruning over the default process group and of not recognising

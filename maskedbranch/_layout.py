@@ -18,14 +18,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ._unit import RoutingUnit
+
 OTHER, UNUSED, COND, USED, KEEP = 0, 1, 2, 3, 4
+_MAX_CACHED_SETS = 1024  # sets of groups that ran, per unit, whose dead parameters are kept
 
 
 class Layout:
-    """The wrapper's parameters as bytes: names in ``named_parameters()`` order, each unit's
-    positions, and the base bytes (no unit ran)."""
+    """The wrapper's parameters as bytes: names in ``named_parameters()`` order, each group's
+    positions (``groups``: (unit, group index, positions)), and the base bytes (no group ran);
+    and, per unit and set of groups that ran, the positions to mark and the parameters to tie
+    (both cached per set: a forward costs a few lookups per unit)."""
 
-    def __init__(self, root: nn.Module, units_of: List[Any]):
+    def __init__(self, root: nn.Module, units: List[RoutingUnit]):
         named = list(root.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -34,34 +39,106 @@ class Layout:
         for n, p in root.named_parameters(remove_duplicate=False):
             position.setdefault(id(p), index.get(n, -1))
         self.base = bytearray(len(named))
-        self.units: List[Tuple[Any, int, List[int]]] = []
-        unit_modules, claimed = set(), set()
-        for m in units_of:
-            modules = m._unit_modules()
-            for i, ps in enumerate(m._units()):
+        self.groups: List[Tuple[RoutingUnit, int, List[int]]] = []
+        self.units = list(dict.fromkeys(units))
+        self.unit_set = set(self.units)
+        self.versions = [u.version for u in self.units]
+        self._tensors: Dict[RoutingUnit, List[Tuple[Tensor, ...]]] = {}
+        self._positions: Dict[RoutingUnit, List[List[int]]] = {}
+        self._marks: Dict[RoutingUnit, Dict[Tuple[int, int], Tuple[Tuple[int, ...], Tuple[int, ...]]]] = {}
+        self._dead: Dict[RoutingUnit, Dict[int, Tuple[Tensor, ...]]] = {}
+        unit_modules, claimed, owners = set(), set(), {}
+        for u in self.units:
+            modules = u.group_modules()
+            groups = [tuple(ps) for ps in u.groups()]
+            self._tensors[u], self._marks[u], self._dead[u] = groups, {}, {}
+            self._positions[u] = []
+            for i, ps in enumerate(groups):
                 ks = [position[id(p)] for p in ps if position.get(id(p), -1) >= 0]
-                self.units.append((m, i, ks))
+                self.groups.append((u, i, ks))
+                self._positions[u].append(ks)
                 for k in ks:
                     self.base[k] = UNUSED
-                if not modules:  # a unit of bare parameters (its owner's other ones are not in it)
+                if not modules:  # a group of bare parameters (its owner's other ones are not in it)
                     claimed.update(ks)
-            unit_modules.update(id(u) for u in modules)
+                for t in ps:
+                    owners.setdefault(id(t), set()).add(u)
+            unit_modules.update(id(m) for m in modules)
         for k in _outside(root, unit_modules, position):
             if self.base[k] == UNUSED and k not in claimed:
                 self.base[k] = KEEP
-        self.modules = list(dict.fromkeys(m for m, _, _ in self.units))
+        self.shared = any(len(us) > 1 for us in owners.values())  # a parameter in two units' groups
+        grouped = sorted({k for _, _, ks in self.groups for k in ks})
+        self.grouped = [(k, self.params[k]) for k in grouped]  # what the backward's start reads
+        self.others = [k for k, b in enumerate(self.base) if b == OTHER]  # outside every group
 
-    def take(self) -> bytearray:
-        """This rank's bytes for the forward that just ran (and the modules' records cleared)."""
+    def current(self) -> bool:
+        """No unit changed since the layout was made (maskedbranch/_unit.py, ``forget``)."""
+        return all(u.version == v for u, v in zip(self.units, self.versions))
+
+    def take(self) -> Tuple[bytearray, Dict[RoutingUnit, Tuple[int, int, bool]]]:
+        """This rank's bytes for the forward that just ran, and what each unit ran (the units'
+        records are cleared)."""
         out = bytearray(self.base)
-        ran = {id(m): m._usage.take() for m in self.modules}
-        for m, i, ks in self.units:
-            bits, cond = ran[id(m)]
-            mark = USED if bits >> i & 1 else COND if cond >> i & 1 else 0
-            if mark:
-                for k in ks:
-                    if UNUSED <= out[k] < mark:
-                        out[k] = mark
+        ran = {}
+        for u in self.units:
+            bits, cond, _ = ran[u] = u.take()
+            if not bits and not cond:
+                continue
+            marks = self._marks[u]
+            found = marks.get((bits, cond))
+            if found is None:
+                found = self._marked(u, bits, cond)
+                if len(marks) < _MAX_CACHED_SETS:
+                    marks[(bits, cond)] = found
+            conds, used = found
+            for k in conds:
+                if out[k] < COND:
+                    out[k] = COND
+            for k in used:
+                out[k] = USED
+        return out, ran
+
+    def _marked(self, u: RoutingUnit, bits: int, cond: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """(positions that ran conditionally, positions that ran) of unit ``u``, never a
+        position the model uses outside the groups (KEEP stays)."""
+        groups = self._positions[u]
+        used = tuple(k for i, ks in enumerate(groups) if bits >> i & 1 for k in ks if self.base[k] != KEEP)
+        conds = tuple(k for i, ks in enumerate(groups) if cond >> i & 1 for k in ks if self.base[k] != KEEP)
+        return conds, used
+
+    def clear(self) -> None:
+        """Forget what the units recorded (calls outside the wrapper's forward)."""
+        for u in self.units:
+            if u.bits or u.cond or u.held is not None or u.traced:
+                u.take()
+
+    def dead(self, ran: Dict[RoutingUnit, Tuple[int, int, bool]], wiring: Any, modes: tuple) -> List[Tensor]:
+        """The parameters to tie at the wrapper for this forward: those of the groups that did
+        not run, of the units called in it and decided for ``wiring`` in one of ``modes`` (less
+        any that a group that ran shares; compiled units ran every branch in their graph). A unit
+        the forward never called is not tied, as a module never called is not: its branches may
+        have been called directly (``layer[k](x)``), which its record cannot see."""
+        out: List[Tensor] = []
+        for u in self.units:
+            if u.wiring is not wiring or u.mode not in modes or u.traced:
+                continue
+            bits, cond, called = ran.get(u, (0, 0, False))
+            if not called:
+                continue
+            live = bits | cond
+            cache = self._dead[u]
+            found = cache.get(live)
+            if found is None:
+                groups = self._tensors[u]
+                used = {id(p) for i, ps in enumerate(groups) if live >> i & 1 for p in ps}
+                found = tuple({id(p): p for i, ps in enumerate(groups) if not live >> i & 1
+                               for p in ps if id(p) not in used and p.requires_grad}.values())
+                if len(cache) < _MAX_CACHED_SETS:
+                    cache[live] = found
+            out.extend(found)
+        if self.shared and out:  # a parameter of two units' groups once (nested routing modules)
+            out = list({id(p): p for p in out}.values())
         return out
 
 

@@ -16,10 +16,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _autograd, _dead_grads, _ops
-from ._args import check_per_row_devices, is_per_row, route_args
-from ._signatures import _input_key, Signatures, _mismatch, _dead_output_signature
+from . import _autograd, _ops
+from ._args import check_per_row_devices, route_args
+from ._signatures import Signatures, _dead_output_signature, _input_key, _mismatch
 from ._structure import Branches
+from ._unit import Mode
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -109,7 +110,8 @@ def _rows_of(t: Tensor, plan: _ops.Plan) -> List[Tensor]:
 
 
 def _tied(table: Branches, live_mask: int, zeros: Optional[bool]) -> Tuple[Tensor, ...]:
-    """The tensors to tie into the output: the dead branches' parameters that require grad."""
+    """The tensors a call ties into its output (``zeros``: the mode's ``call_ties``): the dead
+    branches' parameters that require grad."""
     if zeros is None or not torch.is_grad_enabled():
         return ()
     tied = table.tied(live_mask)
@@ -122,14 +124,14 @@ def _tied(table: Branches, live_mask: int, zeros: Optional[bool]) -> Tuple[Tenso
 _PYTHON_REDUCER_TORCH = "2.13"  # tested on 2.13 and 2.14.1; on 2.6 the compiled backward differs from eager
 
 
-def _aliases(table: Branches, x: Tensor, zeros: Optional[bool], where: str, usage: Any = None, module: Any = None):
-    """Under DDP's Python reducer (maskedbranch/_dead_grads.py) the branches run on aliases of
-    ``x`` and of every branch parameter, made by one node (``_autograd.Alias``): each
+def _aliases(table: Branches, x: Tensor, mode: Mode, where: str):
+    """Under DDP's Python reducer (``Mode.ALIASES``, maskedbranch/_decide.py) the branches run on
+    aliases of ``x`` and of every branch parameter, made by one node (``_autograd.Alias``): each
     parameter's gradient then leaves the graph there, after the branches' backward, in the same
     order on every rank (zeros for the branches that did not run). Returns (x for the branches,
-    {id(parameter): alias} or None, ``zeros`` for the tie at the output)."""
-    if not (zeros and torch.is_grad_enabled() and _dead_grads.canonical_order(usage, module)):
-        return x, None, zeros
+    {id(parameter): alias} or None, what the call's own tie gives: nothing once aliased)."""
+    if mode is not Mode.ALIASES or not torch.is_grad_enabled():
+        return x, None, mode.call_ties
     for i, (branch, params) in enumerate(zip(table.branches, table.params)):
         if params and not isinstance(getattr(branch, "branch", branch), torch.nn.Module):
             raise RuntimeError(
@@ -173,19 +175,19 @@ def route(
     args: Tuple[Any, ...] = (),
     kwargs: Optional[Dict[str, Any]] = None,
     *,
-    zeros: Optional[bool] = None,
+    mode: Mode = Mode.SKIP,
     base: Optional[Tensor] = None,
     scale: Any = 1.0,
     signatures: Optional[Signatures] = None,
     where: str = "branches",
-    usage: Any = None,
-    module: Any = None,
+    wiring: Any = None,
 ) -> Tuple[Tensor, Any]:
     """``base + scale * sum_i g[:, i] * branch_i(x, ...)``, and which branches ran: a bit mask
-    (an int) in eager mode, a bool tensor ``[N]`` under torch.compile. ``zeros``
-    (maskedbranch/_dead_grads.py): None leaves the parameters of branches that did not run out
-    of the graph, True ties them with zero gradients, False with undefined ones. ``usage`` /
-    ``module``: the calling module's record and the module (its binding).
+    (an int) in eager mode, a bool tensor ``[N]`` under torch.compile. ``mode`` (the calling
+    unit's, maskedbranch/_unit.py) says whether this call ties the parameters of the branches
+    that did not run (``mode.call_ties``: None no, False with undefined gradients, True with
+    zeros) or runs them on aliases. ``wiring``: the unit's wiring, when a call's tie must
+    launch the reduction of a forward that its wrapper's hooks missed.
 
     Under torch.compile (and torch.export) the gate is data: which branches run and on how many
     rows are not known while the graph is made, so every branch runs on its rows (none
@@ -204,9 +206,9 @@ def route(
         if compiling:
             gate = torch.full((batch,), gate, dtype=torch.int64)
         elif gate >= 0:
-            return _one_branch(table, x, gate, args, kwargs, zeros, base, scale, signatures, where, usage, module), 1 << gate
+            return _fallback_hook(_one_branch(table, x, gate, args, kwargs, mode, base, scale, where), mode, wiring), 1 << gate
         else:
-            return _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where), 0
+            return _fallback_hook(_no_branch(table, x, gate, args, kwargs, mode, base, signatures, where), mode, wiring), 0
 
     plan, offsets = _ops.plan_and_offsets(gate, n, device=x.device)  # host counts; a device gate reads back once
     weights = gate if gate.dim() == 2 and gate.is_floating_point() else None
@@ -216,11 +218,12 @@ def route(
     if not compiling and weights is None and batch > 0 and plan.num_entries == batch and batch in plan.counts:
         # Every row goes to one branch, in order: run it on x itself (no gather, no copy).
         i = plan.counts.index(batch)
-        return _one_branch(table, x, i, args, kwargs, zeros, base, scale, signatures, where, usage, module), 1 << i
+        out = _one_branch(table, x, i, args, kwargs, mode, base, scale, where, signatures)
+        return _fallback_hook(out, mode, wiring), 1 << i
     if not compiling and plan.num_entries == 0:
-        return _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where), 0
+        return _fallback_hook(_no_branch(table, x, gate, args, kwargs, mode, base, signatures, where), mode, wiring), 0
 
-    x_in, aliases, zeros = _aliases(table, x, zeros, where, usage, module)
+    x_in, aliases, zeros = _aliases(table, x, mode, where)
     xs = _rows_of(x_in, plan)
     routed_args, routed_kwargs = route_args(args, kwargs, batch, lambda t: _Parts(_rows_of(t, plan)))
     live: Dict[int, Tensor] = {}
@@ -253,7 +256,15 @@ def route(
         ran = sum(1 << i for i in live)
         tied = _tied(table, ran, zeros)
     out = _autograd.combine(ys, plan, weights=weights, base=base, tied=tied, zeros=bool(zeros))
-    return out, ran
+    return (_fallback_hook(out, mode, wiring) if not compiling else out), ran
+
+
+def _fallback_hook(out: Tensor, mode: Mode, wiring: Any) -> Tensor:
+    """A call of a forward whose wrapper was wired during it (its forward hook does not run):
+    the reduction of that forward starts from the backward (maskedbranch/_wiring.py)."""
+    if wiring is not None and mode.call_ties is not None and getattr(wiring, "needs_first", False):
+        wiring.first_forward_hook(out)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,16 +302,19 @@ def _exporting() -> bool:
     return bool(check is not None and check())
 
 
-def record(usage: Any, ran: Any) -> None:
-    """Note in a module's record (maskedbranch/_usage.py) which branches a call ran."""
+def record(unit: Any, ran: Any) -> None:
+    """Note in a unit's record (maskedbranch/_unit.py) which branches a call ran."""
     if _exporting():
         return  # an exported program keeps no record (a mutation it would carry)
     if isinstance(ran, Tensor):
-        usage.record_live(ran)
+        if torch.is_grad_enabled():
+            unit.record_live(ran)
     elif torch.compiler.is_compiling():
-        usage.record_traced_mask(ran)  # a Python attribute written in a graph would be a guard
+        if torch.is_grad_enabled():
+            unit.record_traced_mask(ran)  # a Python attribute written in a graph would be a guard
     else:
-        usage.record(ran)
+        unit.bits |= ran
+        unit.called = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,15 +386,17 @@ def _check_agreement(live: Dict[int, Tensor], x, args, kwargs, signatures: Optio
         signatures.learn(_input_key(x, args, kwargs), y0, i0, f"{where}[{i0}]")
 
 
-def _one_branch(table, x, k, args, kwargs, zeros, base, scale, signatures, where, usage=None, module=None) -> Tensor:
-    """The whole batch through branch k, on x itself, then the tie (a copy, when any dead
-    parameter needs a gradient)."""
+def _one_branch(table, x, k, args, kwargs, mode: Mode, base, scale, where, signatures=None) -> Tensor:
+    """The whole batch through branch k, on x itself, then the call's tie (a copy, when the
+    mode ties dead parameters per call)."""
     label = f"{where}[{k}]" if where == "branches" else where
-    x_in, aliases, zeros = _aliases(table, x, zeros, where, usage, module)
-    y = check_output(_run(table, k, aliases, x_in, args, kwargs), label, x.shape[0])
-    if signatures is not None:
-        signatures.learn(_input_key(x, args, kwargs), y, k, label)
+    x_in, aliases, zeros = _aliases(table, x, mode, where)
+    y = _run(table, k, aliases, x_in, args, kwargs)
     tied = _tied(table, 1 << k, zeros)
+    if signatures is not None or base is not None or scale != 1.0 or tied:
+        y = check_output(y, label, x.shape[0])
+        if signatures is not None:
+            signatures.learn(_input_key(x, args, kwargs), y, k, label)
     if base is not None:
         if y.dtype != base.dtype:
             dtype = torch.promote_types(y.dtype, base.dtype)
@@ -391,26 +407,41 @@ def _one_branch(table, x, k, args, kwargs, zeros, base, scale, signatures, where
     return _autograd.tie(y, tied, bool(zeros)) if tied else y
 
 
-def _no_branch(table, x, gate, args, kwargs, zeros, base, signatures, where) -> Tensor:
-    """No row reaches any branch: ``base`` (or zeros shaped like the branches' output), with x,
-    the gate's weights, the tensor arguments and every parameter tied in, so that whatever
-    produced them (a router, say) still gets its gradient."""
-    inputs = tuple(
-        t for t in ((x,) if base is None else ()) + (gate, *args, *kwargs.values())
-        if isinstance(t, Tensor) and t.requires_grad
-    )
-    tied = _tied(table, 0, zeros)
+def _no_branch(table, x, gate, args, kwargs, mode: Mode, base, signatures, where) -> Tensor:
+    """No row reaches any branch: ``base`` (or zeros shaped like the branches' output), with what
+    did not run tied in (:func:`tie_unrun`): x, the gate's weights and the tensor arguments, and
+    every parameter when the mode ties per call."""
     if base is not None:
         out = base
     else:
         trailing, dtype = _dead_output_signature(table, signatures, x, args, kwargs, where)
         out = torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
-    if zeros is not None and inputs and torch.is_grad_enabled():
-        # Tied so that DDP's hooks fire for whatever produced them; the gradient is undefined as
-        # in the if/else code unless zeros are asked for, and zero (exact: the output does not
-        # depend on them) when compiled autograd traces, as it cannot add an undefined gradient
-        # to their other ones.
-        out = _autograd.tie(out, inputs, True if zeros else _autograd.ZEROS_WHEN_COMPILED)
-    if tied:
-        out = _autograd.tie(out, tied, bool(zeros))
+    inputs = ((x,) if base is None else ()) + (gate, *args, *kwargs.values())
+    out = tie_unrun(out, mode, _tied(table, 0, mode.call_ties), inputs)
     return base.clone() if out is base else out
+
+
+def tie_unrun(out: Tensor, mode: Mode, params: Sequence[Tensor] = (), inputs: Sequence[Any] = ()) -> Tensor:
+    """``out`` with what a skipped computation would have used tied in, as ``mode`` says (every
+    routing module and integration ties what did not run through here):
+
+    * ``params``, the parameters of what did not run, by the call's own tie
+      (``mode.call_ties``: not at all under ``SKIP`` and the wrapper modes);
+    * ``inputs``, the tensors it would have read (x, a gate's weights, an encoder's output),
+      whenever the mode ties at all, so that whatever produced them (a router) is reached on
+      every rank: with no gradient, as in the if/else code, unless zeros are asked for, and
+      zeros (exact: ``out`` does not depend on them) while compiled autograd traces, which
+      cannot add an undefined gradient to a tensor's other ones."""
+    if not torch.is_grad_enabled() or not mode.ties_inputs:
+        return out
+    zeros = mode.call_ties
+    params = [p for p in params if p.requires_grad] if zeros is not None else []
+    inputs = [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
+    input_zeros = True if zeros or mode is Mode.AT_WRAPPER_ZEROS else _autograd.ZEROS_WHEN_COMPILED
+    if inputs and params and input_zeros is zeros:
+        return _autograd.tie(out, params + inputs, zeros)
+    if inputs:
+        out = _autograd.tie(out, inputs, input_zeros)
+    if params:
+        out = _autograd.tie(out, params, bool(zeros))
+    return out

@@ -43,11 +43,15 @@ class Signatures:
     def learn(self, key: tuple, y: Tensor, branch: int, label: str) -> None:
         known = self.table.get(key)
         if known is None:
-            if len(self.table) >= self.size:
-                self.table.pop(next(iter(self.table)))
-            self.table[key] = (tuple(y.shape[1:]), y.dtype, branch)
+            self.remember(key, (tuple(y.shape[1:]), y.dtype), branch)
         elif (known[0], known[1]) != (tuple(y.shape[1:]), y.dtype) and known[2] != branch:
             raise _mismatch(label, y, f"{label.split('[')[0]}[{known[2]}] (in an earlier call with inputs like these)", known)
+
+
+    def remember(self, key: tuple, signature: Tuple[tuple, torch.dtype], branch: int) -> None:
+        if len(self.table) >= self.size:
+            self.table.pop(next(iter(self.table)))
+        self.table[key] = (*signature, branch)
 
 
 def _mismatch(label: str, y: Tensor, other: str, ref: Tuple[tuple, torch.dtype, Any]) -> ValueError:
@@ -58,36 +62,50 @@ def _mismatch(label: str, y: Tensor, other: str, ref: Tuple[tuple, torch.dtype, 
 
 
 def _probe(branch: Callable, x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[tuple, torch.dtype]]:
-    """(trailing shape, dtype) of ``branch``'s output on meta tensors: no compute, no effect on
-    parameters, buffers or random state. None when the branch cannot run on meta tensors."""
+    """(trailing shape, dtype) of ``branch``'s output, with no effect on parameters, buffers or
+    random state: on meta tensors (no compute); under autocast, which does not apply to meta
+    tensors, on two rows of zeros of x's device, with copies of the buffers. None when the branch
+    runs on neither."""
+    rows = 2  # (a training BatchNorm refuses one)
+
     def meta(a: Any) -> Any:
         return a.to("meta") if isinstance(a, Tensor) else a
 
+    def two_rows(a: Any) -> Any:
+        if isinstance(a, Tensor) and is_per_row(a, x.shape[0]):
+            return torch.zeros((rows, *a.shape[1:]), dtype=a.dtype, device=a.device)
+        return a
+
+    autocast = _autocast_dtype(x.device) is not None
+    convert, buffer = (two_rows, lambda v: v.clone()) if autocast else (meta, meta)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
             if isinstance(branch, torch.nn.Module):
-                state = {k: meta(v) for k, v in branch.named_parameters(remove_duplicate=False)}
-                state.update({k: meta(v) for k, v in branch.named_buffers(remove_duplicate=False)})
-                y = torch.func.functional_call(branch, state, (meta(x), *map(meta, args)), {k: meta(v) for k, v in kwargs.items()}, strict=False)
+                state = {k: meta(v) if not autocast else v for k, v in branch.named_parameters(remove_duplicate=False)}
+                state.update({k: buffer(v) for k, v in branch.named_buffers(remove_duplicate=False)})
+                y = torch.func.functional_call(branch, state, (convert(x), *map(convert, args)),
+                                               {k: convert(v) for k, v in kwargs.items()}, strict=False)
             else:
-                y = branch(meta(x), *map(meta, args), **{k: meta(v) for k, v in kwargs.items()})
+                y = branch(convert(x), *map(convert, args), **{k: convert(v) for k, v in kwargs.items()})
     except Exception:  # noqa: BLE001 - any failure means "unknown"
         return None
     if not isinstance(y, Tensor) or y.dim() < 1:
         return None
-    dtype = _autocast_dtype(x.device) if y.dtype != x.dtype and _autocast_dtype(x.device) else y.dtype
-    return tuple(y.shape[1:]), dtype
+    return tuple(y.shape[1:]), y.dtype
 
 
 def _dead_output_signature(
     table: Branches, signatures: Optional[Signatures], x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any], where: str
 ) -> Tuple[tuple, torch.dtype]:
-    known = signatures.table.get(_input_key(x, args, kwargs)) if signatures is not None else None
+    key = _input_key(x, args, kwargs)
+    known = signatures.table.get(key) if signatures is not None else None
     if known is not None:
         return known[0], known[1]
-    for branch in table.branches:
+    for i, branch in enumerate(table.branches):
         sig = _probe(branch, x, args, kwargs)
         if sig is not None:
+            if signatures is not None:  # probed once per input signature
+                signatures.remember(key, sig, i)
             return sig
     raise RuntimeError(
         f"{where}: no row reached any branch, and the output's trailing shape and dtype could not be "

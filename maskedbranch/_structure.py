@@ -71,13 +71,11 @@ class Branches:
     are the modules' own. :meth:`tied` answers None once any watched parameter, or a module
     above it in a branch, was replaced."""
 
-    __slots__ = ("branches", "params", "skippable", "epoch", "_tied", "_watch", "_sites")
+    __slots__ = ("branches", "params", "skippable", "_tied", "_watch")
 
     def __init__(self, branches: Sequence, params: "Sequence[Sequence[Tensor]] | None" = None,
-                 modules: "Sequence[Any] | None" = None, epoch: int = -1):
+                 modules: "Sequence[Any] | None" = None):
         self.branches = list(branches)
-        self.epoch = epoch  # the epoch (maskedbranch/_dead_grads.py) of the last check in depth
-        self._sites: Optional[Sites] = None
         self._watch = list(modules) if modules is not None else (self.branches if params is None else None)
         if params is None:
             params = [tuple(b.parameters()) if isinstance(b, nn.Module) else () for b in self.branches]
@@ -90,20 +88,6 @@ class Branches:
         if self._watch is not None:
             self.params = [tuple(m.parameters()) if isinstance(m, nn.Module) else () for m in self._watch]
         self._tied.clear()
-
-    def still_valid(self, epoch: int) -> bool:
-        """Checked in depth (every module and parameter of the branches) once per ``epoch``: the
-        first use after each optimizer step or change of data-parallel wrapper, so that a
-        submodule replaced deep inside a branch (``convert_sync_batchnorm``) is seen."""
-        if self.epoch == epoch:
-            return True
-        if self._watch is not None:
-            if self._sites is None:
-                self._sites = Sites(self._watch)
-            elif not self._sites.valid():
-                return False
-        self.epoch = epoch
-        return True
 
     def same_branches(self, modules: Dict[str, Any]) -> bool:
         """Whether ``modules`` (a ModuleList's ``_modules``) still holds exactly these branches."""
@@ -154,13 +138,32 @@ class CacheOwner:
 class RoutingModuleList(CacheOwner, nn.ModuleList):
     """An ``nn.ModuleList`` of routed modules (MaskedBranch's branches, a LayerDrop owner's
     layers). A slice is a plain ``nn.ModuleList`` of the modules, as ``nn.ModuleList`` gives it
-    (not a second routing list, which an empty slice could not even construct). Its caches check
-    the list itself on use."""
+    (not a second routing list, which an empty slice could not even construct). Any change of
+    the list (``append``, ``insert``, item assignment, ``del``) drops the caches, as ``_apply`` and
+    ``load_state_dict`` do."""
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
             return nn.ModuleList(list(self._modules.values())[idx])
         return super().__getitem__(idx)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if isinstance(value, nn.Module) and "_unit" in self.__dict__:
+            self._drop_caches()
+
+    def add_module(self, name: str, module) -> None:
+        super().add_module(name, module)
+        if "_unit" in self.__dict__:
+            self._drop_caches()
+
+    def __delitem__(self, idx) -> None:
+        super().__delitem__(idx)
+        self._drop_caches()
+
+    def insert(self, index: int, module) -> None:
+        super().insert(index, module)
+        self._drop_caches()
 
 
 # ----------------------------------------------------------------------------------------------

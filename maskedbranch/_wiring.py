@@ -1,75 +1,71 @@
-"""The wiring of one data-parallel wrapper: which branch parameters no rank used, decided where
-every rank provably takes part, and their gradients reset to ``None`` before the step.
+"""The data-parallel layer: the wiring of each wrapper (a DDP module, an FSDP2 root, a model given
+to ``unused_grads_to_none``), which decides for the routing units it runs
+(maskedbranch/_decide.py), ties the dead parameters of its DDP units once per forward, reduces
+which parameters no rank used, and resets their gradients to ``None`` before the step.
 
-A routing module under DDP, FSDP2 or a model given to ``unused_grads_to_none`` gives the
-parameters of branches that did not run a gradient anyway (maskedbranch/_dead_grads.py), so
-that the wrapper's own reduction works; the wrapper then writes zeros where if/else with
-``find_unused_parameters=True`` leaves ``None``. The wiring undoes exactly that:
+It imports the routing (maskedbranch/_unit.py) and plugs :func:`decide` into it; the routing never
+imports it. A wiring acts only through hooks on its own wrapper:
 
-1. **After each forward of the wrapper** (a forward hook on it: every rank runs the wrapper's
-   forward, whatever its branches did), the units that ran on this rank become one byte per
-   parameter of the wrapper (maskedbranch/_layout.py), and one MAX all-reduce of those bytes
-   starts on a CPU process group (``async_op=True``: nothing waits, no device synchronization
-   under NCCL).
-2. **When that forward's backward starts** (a hook on the wrapper's outputs), a gradient that is
-   ``None`` was cleared since the previous backward (``zero_grad()``, before or after the
-   forward): what earlier forwards used no longer counts for it, as for if/else, whose cleared
-   gradient only the later backwards fill. This is read only after a backward that synchronized
-   gradients (so that every rank sees the same: inside ``no_sync`` the ranks' local gradients
-   differ), which the first backward after an optimizer step always follows.
-3. **Before an optimizer step** (maskedbranch/unused_grads.py), that optimizer's parameters read
-   the reduced bytes (waiting only if an all-reduce still runs): a parameter that no rank used
-   since its gradient was cleared gets ``None`` back. One that was never cleared keeps its tensor
-   (``zero_grad(set_to_none=False)``: zero tensors stay). No collective runs in the step.
+1. **Before each forward** (a forward pre-hook): the wrapper pushes itself on ``_unit.running`` (so
+   a routed call compares one object with its unit's decision) and clears its units' records
+   (calls made since, outside its forward, such as a checkpoint's recomputation, do not count).
+   At the first forward it decides for every unit inside.
+2. **After each forward** (a forward hook: every rank runs the wrapper's forward, whatever its
+   branches did), the groups that ran on this rank become one byte per parameter of the wrapper
+   (maskedbranch/_layout.py), one MAX all-reduce of them starts on a CPU process group
+   (``async_op=True``: nothing waits, no device synchronization under NCCL), and the parameters
+   of the DDP units' groups that did not run are tied into the outputs by one autograd node.
+3. **When that forward's backward starts** (a hook on the outputs), a gradient that is ``None``
+   was cleared since the previous backward (``zero_grad()``): what earlier forwards used no longer
+   counts for it, as for if/else. Read only after a backward that synchronized gradients (inside
+   ``no_sync`` the ranks' local gradients differ).
+4. **Before an optimizer step** (maskedbranch/unused_grads.py), that optimizer's parameters read
+   the reduced bytes: a parameter that no rank used since its gradient was cleared gets ``None``
+   back. No collective runs in the step.
 
-A wrapper is wired before its first forward by a module forward pre-hook that only looks for
-wrappers and lives until the first optimizer step (a hook registered during a forward would not
-run for it); one wired during its first forward reduces that forward from its backward instead.
+A DDP module is wired when it is built around a model with routing units (a module registration
+hook sees ``DDP.module`` being set), so its hooks run from its first forward. Other wrappers are
+wired when a unit first runs under them; a DDP wired during its forward (the hook was not
+there) ties per call in that forward and reduces it from its backward.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import _compat, _usage
+from . import _autograd, _compat, _decide, _unit
 from ._layout import COND, OTHER, UNUSED, Layout, cpu_group, mesh_group, tensors
+from ._unit import Mode, RoutingUnit
 
 _MAX_PENDING = 8  # forwards whose reduction stays unmerged before a backward or step merges them
 
 _wirings: "weakref.WeakKeyDictionary[nn.Module, Wiring]" = weakref.WeakKeyDictionary()
-_version = [0]  # bumped when a wiring or a layout changes: the step hook's per-optimizer lists
+version = [0]  # bumped when a wiring or a layout changes: the step hook's per-optimizer lists
 
-
-def explicit(m: Any) -> bool:
-    w = _wirings.get(m) if isinstance(m, nn.Module) else None
-    return w is not None and w.explicit_kind
+_AT_WRAPPER = (Mode.AT_WRAPPER, Mode.AT_WRAPPER_ZEROS)
+_PER_CALL = {Mode.AT_WRAPPER: Mode.NONE, Mode.AT_WRAPPER_ZEROS: Mode.ZEROS}
 
 
 def wiring_for(wrapper: nn.Module, explicit_kind: bool = False, process_group: Any = None, *, before_forward: bool = False) -> "Wiring":
     """The wiring of ``wrapper`` (made on first use). ``before_forward``: made before the
-    wrapper's forward started, so its forward hook runs for this forward too."""
+    wrapper's forward started, so its hooks run for this forward too."""
     found = _wirings.get(wrapper)
     if found is None:
         found = _wirings[wrapper] = Wiring(wrapper, explicit_kind, process_group)
-        found.needs_first = not before_forward and not torch.compiler.is_compiling()
-        _version[0] += 1
-        from . import unused_grads
-
-        unused_grads.install()
+        found.needs_first = found.tied_per_call = not before_forward and not torch.compiler.is_compiling()
+        version[0] += 1
     return found
 
 
-def forget_layouts() -> None:
-    """A module's units changed (a branch added, a LayerDrop owner's parameters became one):
-    every wiring makes its layout again at its next forward."""
-    for w in list(_wirings.values()):
-        w.layout = None
+def wiring_of(wrapper: Any) -> Optional["Wiring"]:
+    return _wirings.get(wrapper) if isinstance(wrapper, nn.Module) else None
 
 
 def all_wirings() -> List["Wiring"]:
@@ -81,42 +77,52 @@ def _root_of(wrapper: nn.Module) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------------------------
-# Spotting wrappers before their first forward (see the module's docstring).
-
-_spotter: List[Any] = []
-_spotted: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+# The decision, plugged into the routing (maskedbranch/_unit.py).
 
 
-def arm() -> None:
-    """Called when a routing module is made: only in a distributed job (a wrapper can run)."""
-    if not _spotter and dist.is_available() and dist.is_initialized():
-        _spotter.append(nn.modules.module.register_module_forward_pre_hook(_spot))
+def decide(unit: RoutingUnit, wrapper: Any) -> Mode:
+    """Decide ``unit``'s mode under ``wrapper`` (None: no wired wrapper's forward runs), store
+    it in the unit, and wire the wrapper if it is not yet."""
+    if wrapper is None and _decide.distributed():
+        wrapper = _decide.wrapper_on_stack()
+    if isinstance(wrapper, Simulated):
+        unit.check_skippable()
+        unit.settle(wrapper, id(wrapper), _decide.TABLE[_decide.SIMULATED])
+        wrapper.units.add(unit)
+        return unit.mode
+    if wrapper is None:
+        unit.check_skippable()
+        unit.settle(None, 0, _decide.TABLE[_decide.LOCAL])
+        return unit.mode
+    return wiring_for(wrapper).decide(unit)
 
 
-def disarm() -> None:
-    while _spotter:
-        _spotter.pop().remove()
+_unit.DATA_PARALLEL.decide = staticmethod(decide)
 
 
-def _wrapper_types() -> Tuple[type, ...]:
-    import sys
+# ----------------------------------------------------------------------------------------------
+# DDP modules are wired when they are built: a module registration hook (it runs when a module
+# is assigned as another's attribute, at construction, never in a forward) sees DDP.module set.
 
-    types: List[type] = [nn.parallel.DistributedDataParallel]
-    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
-    if isinstance(fsdp, type):
-        types.append(fsdp)
-    return tuple(types)
+_registration: List[Any] = []
 
 
-def _spot(module: nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling() or not isinstance(module, _wrapper_types()) or module in _wirings:
-        return
-    if module in _spotted or not (dist.is_available() and dist.is_initialized()):
-        return
-    _spotted[module] = True
-    inside = [w for w in _wirings.values() if w.root() is not None and any(m is module for m in w.root().modules())]
-    if not inside and _usage.routing_modules(_root_of(module)):
-        wiring_for(module, before_forward=True)  # an FSDP2 unit inside a wired root is not a root
+def watch_ddp_construction() -> None:
+    if not _registration:
+        _registration.append(nn.modules.module.register_module_module_registration_hook(_registered))
+
+
+def unwatch_ddp_construction() -> None:
+    while _registration:
+        _registration.pop().remove()
+
+
+def _registered(parent: nn.Module, name: str, child: Any) -> None:
+    if torch.compiler.is_compiling():
+        return  # (a graph module built while a graph is traced: no DDP is made there)
+    if name == "module" and isinstance(parent, nn.parallel.DistributedDataParallel) and isinstance(child, nn.Module):
+        if _unit.routing_modules(child):
+            wiring_for(parent, before_forward=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,18 +131,20 @@ def _spot(module: nn.Module, args: Any) -> None:
 
 class Wiring:
     """See the module's docstring. ``explicit_kind``: made by ``unused_grads_to_none`` for a
-    model that is not DDP or FSDP2 (its routing modules then tie with zeros); ``everything``:
-    also the modules with an explicit ``materialize_grads`` (an explicit handle asked for them)."""
+    model that is not DDP or FSDP2; ``everything``: the units with an explicit
+    ``materialize_grads`` are reduced and reset too (an explicit handle asked for them)."""
 
     def __init__(self, wrapper: nn.Module, explicit_kind: bool = False, process_group: Any = None):
         self.ref = weakref.ref(wrapper)
         self.explicit_kind = explicit_kind
         self.everything = explicit_kind
         self.process_group = process_group
-        self._contexts: Dict[str, Any] = {}
-        self.functional: List[Any] = []
+        self.context: Optional[str] = None  # decided at the first forward or unit (_decide.context_of)
+        self.units: "weakref.WeakSet[RoutingUnit]" = weakref.WeakSet()  # decided for this wrapper
+        self.extra: List[RoutingUnit] = []  # units of no module inside (functional forms, a parameter)
         self.layout: Optional[Layout] = None
         self.needs_first = False  # made during a forward: that forward is reduced from its backward
+        self.tied_per_call = False  # ... and its units tie per call until the next forward decides again
         self._forwards = itertools.count(1)
         self.pending: List[list] = []  # [work, bytes tensor, forward number, its backward started]
         self.acc = bytearray()  # per position: the MAX of the merged forwards since its window began
@@ -145,38 +153,62 @@ class Wiring:
         self._synced = True  # the last backward synchronized gradients (or none ran yet)
         self._backwards = 0  # backwards started since the last step
         self.last_reset = 0
-        self._hook = wrapper.register_forward_hook(_after_forward)
+        self._hooks = [
+            wrapper.register_forward_pre_hook(_before_forward),
+            wrapper.register_forward_hook(_after_forward, always_call=True),
+        ]
+        weakref.finalize(wrapper, _forget_units, self.units)
 
-    def context(self, kind: str, epoch: int):
-        from ._dead_grads import Context
+    def alive(self) -> bool:
+        return self.ref() is not None
 
-        ctx = self._contexts.get(kind)
-        if ctx is None:
-            ctx = self._contexts[kind] = Context(kind, self.ref(), self)
-        ctx.epoch = epoch
-        return ctx
-
-    def add_functional(self, unit: Any) -> None:
-        if unit not in self.functional:
-            self.functional.append(unit)
-            self.layout = None
 
     def root(self) -> Optional[nn.Module]:
         w = self.ref()
         return None if w is None else _root_of(w)
 
+    # -- decisions -------------------------------------------------------------------------------
+
+    def context_now(self) -> str:
+        if self.context is None:
+            self.context = _decide.context_of(self.ref(), self.explicit_kind)
+        return self.context
+
+    def decide(self, unit: RoutingUnit) -> Mode:
+        context = self.context_now()
+        row = _decide.TABLE[context]
+        if self.tied_per_call:
+            # made during this forward, whose forward hook will not run: the calls tie themselves
+            row = tuple(_PER_CALL.get(m, m) for m in row)
+        unit.check_skippable()
+        unit.settle(self, id(self.ref()), row)
+        self.units.add(unit)
+        if context in _decide.REDUCED and (unit.materialize is None or self.everything):
+            if not isinstance(unit.owner(), nn.Module):  # a functional or parameter unit
+                if unit not in self.extra:
+                    self.extra.append(unit)
+                    self.layout = None
+            elif self.layout is not None and unit not in self.layout.unit_set:
+                self.layout = None
+        return unit.mode
+
+    def reduces(self) -> bool:
+        return self.context_now() in _decide.REDUCED
+
     def _layout(self) -> Optional[Layout]:
+        if self.layout is not None and not self.layout.current():
+            self.layout = None
         if self.layout is None:
             root = self.root()
-            if root is None:
+            if root is None or not self.reduces():
                 return None
-            units = [m for m in _usage.routing_modules(root) if self.everything or m.materialize_grads is None]
-            units += [u for u in self.functional if u.module() is not None]
+            units = [m._unit for m in _unit.routing_modules(root) if self.everything or m._unit.materialize is None]
+            units += [u for u in self.extra if u.owner() is not None]
             self.layout = Layout(root, units)
             n = len(self.layout.base)
             self.acc, self.cleared, self.stepped = bytearray(n), bytearray(n), {}
             self.pending = [p for p in self.pending if p[1].numel() == n]
-            _version[0] += 1  # positions changed: the step hook's per-optimizer lists too
+            version[0] += 1  # positions changed: the step hook's per-optimizer lists too
         return self.layout
 
     def _group(self) -> Any:
@@ -188,22 +220,47 @@ class Wiring:
             group = mesh_group(w)
         return cpu_group(group)
 
-    # -- forward end -------------------------------------------------------------------------
+    # -- forward start ---------------------------------------------------------------------------
 
-    def after_forward(self, output: Any = None) -> None:
+    def before_forward(self) -> None:
+        if self.needs_first:  # a forward this wiring missed the start of ran before: done with it
+            self.launch_first()
+        if self.tied_per_call:  # its units decide again, now that this wiring's hooks run
+            self.tied_per_call = False
+            _forget_units(self.units)
+        layout = self._layout()
+        if layout is not None:
+            layout.clear()
+
+    # -- forward end -----------------------------------------------------------------------------
+
+    def after_forward(self, output: Any = None) -> Any:
         # The forward that made this wiring ran this hook after all (torch < 2.7 compiles the
-        # global pre-hook that would have made it earlier), or a later forward came before any
+        # registration that would have made it earlier), or a later forward came before any
         # backward: usage accumulates until taken, so one launch covers both. Two would let the
         # second's backward, finding gradients None, discard the first's usage.
         self.needs_first = False
-        number = self._launch()
-        if number is not None:
-            w = self.ref()
-            sync = not isinstance(w, nn.parallel.DistributedDataParallel) or bool(w.require_backward_grad_sync)
-            hook = functools.partial(self._backward_starts, number, sync)
-            for t in tensors(output):
-                if t.requires_grad:
-                    t.register_hook(hook)
+        layout = self._layout()
+        if layout is None or not layout.units:
+            return None
+        number, taken = self._launch()
+        dead = layout.dead(taken, self, _AT_WRAPPER)
+        if dead:
+            if not tensors(output):
+                raise RuntimeError(
+                    f"maskedbranch: the model returned a {type(output).__name__}, which holds no tensor "
+                    "maskedbranch can reach, so the parameters of branches that did not run cannot be tied "
+                    "into the output for DistributedDataParallel. Return tensors, tuples, lists or dicts of "
+                    "them, or pass materialize_grads='none' to the routing modules (each call then ties its own)."
+                )
+            output = _tie_outputs(output, dead, self.context == _decide.DDP_STATIC)
+        w = self.ref()
+        sync = not isinstance(w, nn.parallel.DistributedDataParallel) or bool(w.require_backward_grad_sync)
+        hook = functools.partial(self._backward_starts, number, sync)
+        for t in tensors(output):
+            if t.requires_grad:
+                t.register_hook(hook)
+        return output if dead else None
 
     def first_forward_hook(self, out: Any) -> None:
         """A forward that made this wiring ran no forward hook: every routed output of it gets
@@ -221,9 +278,11 @@ class Wiring:
 
     def launch_first(self) -> Optional[int]:
         self.needs_first = False
-        return self._launch()
+        if self._layout() is None or not self.layout.units:
+            return None
+        return self._launch()[0]
 
-    def _launch(self) -> Optional[int]:
+    def _launch(self):
         w = self.ref()
         if _compat.ddp_join_active(w):
             raise RuntimeError(
@@ -233,10 +292,7 @@ class Wiring:
                 "branches get zero gradients, nothing is reset and nothing communicates), or give "
                 "every rank the same number of batches."
             )
-        layout = self._layout()
-        if layout is None or not layout.units:
-            return None
-        mine = layout.take()
+        mine, taken = self.layout.take()
         t = torch.frombuffer(mine, dtype=torch.uint8)
         if dist.is_available() and dist.is_initialized():
             work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group(), async_op=True)
@@ -246,9 +302,9 @@ class Wiring:
         self.pending.append([work, t, number, False])
         if len(self.pending) > _MAX_PENDING:
             self._merge(lambda entry: entry[3])
-        return number
+        return number, taken
 
-    # -- backward start ----------------------------------------------------------------------
+    # -- backward start --------------------------------------------------------------------------
 
     def _backward_starts(self, number: int, sync: bool, grad: Any = None) -> None:
         entry = next((e for e in self.pending if e[2] == number), None)
@@ -257,18 +313,16 @@ class Wiring:
         self._merge(lambda e: e[2] < number)
         if self._synced and self.layout is not None:
             acc, cleared = self.acc, self.cleared
-            for _, _, ks in self.layout.units:
-                for k in ks:
-                    if self._param(k).grad is None:
-                        acc[k] = OTHER  # cleared: what earlier forwards used no longer counts
-                        cleared[k] = 1
+            pairs = self.layout.grouped
+            stepped = self.stepped
+            if stepped:
+                pairs = [(k, stepped.get(k, p)) for k, p in pairs]
+            for k in [k for k, p in pairs if p.grad is None]:
+                acc[k] = OTHER  # cleared: what earlier forwards used no longer counts
+                cleared[k] = 1
         self._synced = sync
         self._backwards += 1
         entry[3] = True
-
-    def _param(self, k: int) -> Tensor:
-        p = self.stepped.get(k)
-        return self.layout.params[k] if p is None else p
 
     def _merge(self, which) -> None:
         """Wait for the reductions of the pending forwards ``which`` selects and MAX them in."""
@@ -286,42 +340,45 @@ class Wiring:
                 torch.maximum(acc, t, out=acc)
         self.pending = keep
 
-    # -- the step ----------------------------------------------------------------------------
+    # -- the step --------------------------------------------------------------------------------
 
-    def reset(self, params: Sequence[Tensor], positions: Sequence[int]) -> int:
-        """Before a step of an optimizer holding ``params`` (at ``positions``): set to None the
-        gradients that no rank used and if/else would have left None. Returns how many."""
+    def reset(self, plan: "StepPlan") -> int:
+        """Before a step of an optimizer holding ``plan.params``: set to None the gradients that
+        no rank used and if/else would have left None. Returns how many."""
         if self.needs_first:  # the first forward's routed outputs got no gradient on this rank
             number = self.launch_first()
             if number is not None:
                 self._backward_starts(number, True)
         if self.layout is None:
             return 0
-        for m in self.layout.modules:  # calls after the last forward (checkpoint recomputation)
-            m._usage.take()
         self._merge(lambda entry: True)
         if self._backwards:
-            self._check_reduction_finished(params, positions)
+            self._check_reduction_finished(plan)
         self._backwards = 0
-        acc, cleared = self.acc, self.cleared
+        acc, cleared, by_position = self.acc, self.cleared, plan.by_position
+        unused, conds = _candidates(acc, cleared)
         done = 0
-        for p, k in zip(params, positions):
-            if k < 0 or k >= len(acc):
-                continue
-            self.stepped[k] = p
-            grad = p.grad
-            code = acc[k]
-            if code == COND and grad is not None and not bool(getattr(grad, "to_local", lambda: grad)().any()):
-                code = UNUSED  # no gradient reached it from elsewhere on any rank (a rare read)
-            if code == UNUSED and cleared[k] and grad is not None:
+        for p in [by_position[k] for k in unused if k in by_position]:
+            if p.grad is not None:
                 p.grad = None
                 done += 1
-            acc[k] = OTHER
-            cleared[k] = 0
+        for k in conds:  # used only conditionally: a gradient from elsewhere on some rank decides (a rare read)
+            p = by_position.get(k)
+            grad = None if p is None else p.grad
+            if grad is not None and cleared[k] and not bool(getattr(grad, "to_local", lambda: grad)().any()):
+                p.grad = None
+                done += 1
+        if plan.everything:
+            acc[:] = bytes(len(acc))
+            cleared[:] = bytes(len(cleared))
+        else:
+            for k in plan.positions:
+                acc[k] = OTHER
+                cleared[k] = 0
         self.last_reset = done
         return done
 
-    def _check_reduction_finished(self, params: Sequence[Tensor], positions: Sequence[int]) -> None:
+    def _check_reduction_finished(self, plan: "StepPlan") -> None:
         """Under DDP with ``find_unused_parameters=False`` every parameter has a gradient after a
         backward (DDP writes them all once its reduction finishes). One that has none took no
         part in the backward on this rank: DDP could not average this step's gradients and will
@@ -330,10 +387,9 @@ class Wiring:
         if not isinstance(w, nn.parallel.DistributedDataParallel) or w.find_unused_parameters or w.static_graph:
             return
         ignored = getattr(w, "parameters_to_ignore", ()) or ()
-        names, base = self.layout.names, self.layout.base
+        names = self.layout.names
         # (the branches' own parameters have none either then: DDP wrote nothing)
-        missing = [names[k] for p, k in zip(params, positions)
-                   if 0 <= k < len(names) and base[k] == OTHER and p.requires_grad and p.grad is None and names[k] not in ignored]
+        missing = [names[k] for k, p in plan.others if p.requires_grad and p.grad is None and names[k] not in ignored]
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise RuntimeError(
@@ -344,6 +400,19 @@ class Wiring:
                 "the transformers patch), set requires_grad=False on parameters the model never uses, or "
                 "use find_unused_parameters=True."
             )
+
+    def step_plan(self, params: Sequence[Tensor]) -> Optional["StepPlan"]:
+        """What a step of an optimizer holding ``params`` reads (made when its parameter groups
+        or the layout change), or None when it holds none of the wrapper's."""
+        positions = self.positions(params)
+        mine = [(p, k) for p, k in zip(params, positions) if k >= 0]
+        if not mine:
+            return None
+        layout = self.layout
+        for p, k in mine:
+            if p is not layout.params[k]:
+                self.stepped[k] = p  # (FSDP2's sharded parameter: its optimizer holds another object)
+        return StepPlan(mine, len(layout.base), layout.others)
 
     def positions(self, params: Sequence[Tensor]) -> List[int]:
         """Where the wrapper's bytes hold each of ``params`` (-1: not the wrapper's), by name, so
@@ -357,17 +426,133 @@ class Wiring:
         return [now.get(id(p), -1) for p in params]
 
     def remove(self) -> None:
-        self._hook.remove()
+        for h in self._hooks:
+            h.remove()
         w = self.ref()
         if w is not None and _wirings.get(w) is self:
             del _wirings[w]
-            _version[0] += 1
+            version[0] += 1
+        _forget_units(self.units)
+
+
+class StepPlan:
+    """An optimizer's parameters in one wiring's layout: by position, and those outside every
+    group (the check that DDP could finish its reduction)."""
+
+    __slots__ = ("by_position", "positions", "everything", "others")
+
+    def __init__(self, mine: List[tuple], size: int, others: Sequence[int]):
+        self.by_position = {k: p for p, k in mine}
+        self.positions = list(self.by_position)
+        self.everything = len(self.by_position) == size
+        self.others = [(k, self.by_position[k]) for k in others if k in self.by_position]
+
+
+def _candidates(acc: bytearray, cleared: bytearray):
+    """(positions unused on every rank and cleared since the step, positions used only
+    conditionally: a read decides)."""
+    if not len(acc):
+        return [], []
+    a = torch.frombuffer(acc, dtype=torch.uint8)
+    unused = ((a == UNUSED) & torch.frombuffer(cleared, dtype=torch.uint8).bool()).nonzero().flatten().tolist()
+    conds = (a == COND).nonzero().flatten().tolist() if COND in acc else []
+    return unused, conds
+
+
+def _forget_units(units) -> None:
+    for u in list(units):
+        u.forget()
+
+
+def _tie_outputs(output: Any, dead: Sequence[Tensor], zeros: bool) -> Any:
+    """``output`` with every tensor that requires grad replaced by a copy whose backward also
+    reaches ``dead`` (one node per tensor; the gradients of ``dead`` leave the graph at the
+    first that the backward reaches). Tuples, lists, dicts (HF ModelOutputs) as the model made
+    them."""
+    if isinstance(output, Tensor):
+        return _autograd.tie(output, dead, zeros) if output.requires_grad else output
+    if isinstance(output, dict):  # in place: an HF ModelOutput keeps its attributes in step
+        for k, v in list(output.items()):
+            new = _tie_outputs(v, dead, zeros)
+            if new is not v:
+                output[k] = new
+        return output
+    if isinstance(output, list):
+        for i, v in enumerate(output):
+            output[i] = _tie_outputs(v, dead, zeros)
+        return output
+    if isinstance(output, tuple):
+        items = [_tie_outputs(v, dead, zeros) for v in output]
+        if all(a is b for a, b in zip(items, output)):
+            return output
+        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
+    return output
 
 
 @torch.compiler.disable
-def _after_forward(module: nn.Module, args: Any, output: Any) -> None:
-    if not torch.is_grad_enabled():
-        return
+def _before_forward(module: nn.Module, args: Any) -> None:
+    _unit.running.append(module)
+    if torch.is_grad_enabled():
+        wiring = _wirings.get(module)
+        if wiring is not None:
+            wiring.before_forward()
+
+
+@torch.compiler.disable
+def _after_forward(module: nn.Module, args: Any, output: Any) -> Any:
+    running = _unit.running
+    if running and running[-1] is module:
+        running.pop()
+    elif module in running:
+        running.remove(module)
+    if output is None or not torch.is_grad_enabled():
+        return None  # (None: also what a forward that raised gives this hook)
     wiring = _wirings.get(module)
-    if wiring is not None:
-        wiring.after_forward(output)
+    return None if wiring is None else wiring.after_forward(output)
+
+
+# ----------------------------------------------------------------------------------------------
+# The doctor's simulated ranks (maskedbranch/doctor): one process sees the graph of a DDP job.
+
+
+class Simulated:
+    """Stands for the DDP wrapper of ``root`` while :func:`as_if_under_ddp` runs: its units decide
+    as under DDP, and :meth:`tie` ties into a forward's output what a DDP wiring would."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.units: "weakref.WeakSet[RoutingUnit]" = weakref.WeakSet()
+
+    def alive(self) -> bool:
+        return True
+
+    def tie(self, output: Any) -> Any:
+        """``output`` with the groups that did not run in this forward tied in (every unit
+        decides first: one that no call reached is tied too). The records are left as they are."""
+        units = [m._unit for m in _unit.routing_modules(self.root)]
+        for u in units:
+            if u.wiring is not self or u.mode is None:
+                decide(u, self)
+        units = [u for u in units if u.mode in _AT_WRAPPER]
+        if not units:
+            return output
+        ran = {}
+        for u in units:
+            u.settle_held()
+            ran[u] = (u.bits, u.cond, u.called or bool(u.bits or u.cond))
+        dead = Layout(self.root, units).dead(ran, self, _AT_WRAPPER)
+        return _tie_outputs(output, dead, False) if dead else output
+
+
+@contextlib.contextmanager
+def as_if_under_ddp(root: nn.Module) -> Iterator[Simulated]:
+    """Inside, the routing units of ``root`` decide as under DDP without static_graph; the
+    caller ties each forward's output with the yielded :meth:`Simulated.tie`. Afterwards the
+    units decide again at their next call."""
+    sim = Simulated(root)
+    _unit.running.append(sim)
+    try:
+        yield sim
+    finally:
+        _unit.running.remove(sim)
+        _forget_units(sim.units)

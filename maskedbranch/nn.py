@@ -13,7 +13,11 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from . import _autograd, _compat, _dead_grads, _route, _structure, _usage, _wiring, unused_grads
+import torch.distributed as dist
+
+from . import _compat, _functional, _route, _structure, _unit
+from ._signatures import Signatures
+from ._unit import Mode, materialize, materialize_name
 
 __all__ = ["MaskedBranch", "masked_branch"]
 
@@ -82,86 +86,73 @@ class MaskedBranch(_structure.RoutingModuleList):
     def __init__(self, branches: Iterable[nn.Module], *, materialize_grads: Any = None):
         mods = _as_branch_list(branches, callables=False)
         super().__init__(mods)
-        self.materialize_grads = _dead_grads.materialize(materialize_grads)
-        self._cache: Optional[_structure.Branches] = None
-        self._signatures = _route.Signatures()
-        self._usage = _usage.Usage()
-        self._usage.ensure(len(mods))
+        self._unit = _unit.RoutingUnit(self, "MaskedBranch", materialize(materialize_grads))
+        self._unit.ensure(len(mods))
         self.register_load_state_dict_pre_hook(_load_old_layout)
-        unused_grads.register(self)
+
+    @property
+    def materialize_grads(self) -> Optional[bool]:
+        return self._unit.materialize
+
+    @materialize_grads.setter
+    def materialize_grads(self, value: Any) -> None:
+        self._unit.materialize = materialize(value)
+        self._unit.forget()
 
     @property
     def num_branches(self) -> int:
         return len(self._modules)
 
     def _drop_caches(self) -> None:
-        self._cache = None
+        unit = self.__dict__.get("_unit")
+        if unit is not None:
+            unit.forget()
+            unit.ensure(len(self._modules))
 
-    def _branches(self) -> _structure.Branches:
-        if _compat.tracing():
-            # Built afresh (see _compat.tracing): under torch.compile a cache read would become
-            # a guard, and torch.func.functional_call swaps parameters in for one call.
-            _structure.check_skippable(list(self._modules.values()), "branches")
-            return _structure.Branches(self._modules.values())
-        cache = self._cache
-        if cache is None or not cache.same_branches(self._modules) or not cache.still_valid(_dead_grads.epoch()):
-            _structure.check_skippable(list(self._modules.values()), "branches")
-            if cache is not None:
-                _wiring.forget_layouts()  # the units changed: wrappers make their layouts again
-            cache = _structure.Branches(self._modules.values())
-            cache.still_valid(_dead_grads.epoch())
-            self._usage.ensure(len(cache.branches))
-            if not torch.compiler.is_compiling():  # torch.export (strict) refuses module mutation
-                self._cache = cache
-        return cache
-
-    def _unit_modules(self) -> List[nn.Module]:
-        """The units whose use ``_usage`` records (bit i: branch i), for the reset of unused
-        gradients (maskedbranch/unused_grads.py)."""
-        return list(self._modules.values())
-
-    def _units(self) -> List[Sequence[Tensor]]:
+    # The routing unit's owner (maskedbranch/_unit.py): a group per branch.
+    def _unit_groups(self) -> List[Sequence[Tensor]]:
         return [tuple(b.parameters()) for b in self._modules.values()]
 
+    def _unit_modules(self) -> List[nn.Module]:
+        return list(self._modules.values())
+
+    def _check_skippable(self) -> None:
+        _structure.check_skippable(list(self._modules.values()), "branches")
+
+    def _branches(self) -> _structure.Branches:
+        """The branch table: cached in the unit (dropped when the list, ``.to()`` or
+        ``load_state_dict`` changes it); built afresh while torch.compile or a torch.func
+        transform runs (Dynamo would guard on the cache, and ``functional_call`` swaps parameters
+        in for one call)."""
+        unit = self._unit
+        table = unit.table
+        if table is None or _compat.tracing():
+            table = _structure.Branches(self._modules.values())
+            if not _compat.tracing():
+                unit.table = table
+        return table
+
     def forward(self, x: Tensor, gate: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if type(gate) is int and not args and not kwargs and type(x) is Tensor and not _compat.tracing() and self._cache is not None:
-            # The per-batch int gate, the common case of routed layers, straight to the branch:
-            # route()'s own int path less its argument handling, which costs more than the rest
-            # of the call for small branches. The policy first: a new wrapper makes the cache
-            # check itself in depth.
-            grad = torch.is_grad_enabled()
-            usage = self._usage
-            zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch", usage) if grad else None
-            cache = self._cache
-            if (
-                cache.epoch == _dead_grads.epoch() and cache.same_branches(self._modules)
-                and 0 <= gate < len(cache.branches) and x.dim() > 0
-                and not (zeros and _dead_grads.canonical_order(usage))  # else route() runs on aliases
-            ):
-                y = cache.branches[gate](x)
-                if type(y) is not Tensor or y.dim() == 0 or y.shape[0] != x.shape[0]:
-                    _route.check_output(y, f"branches[{gate}]", x.shape[0])
-                if grad:
-                    if zeros is not None:
-                        tied = _route._tied(cache, 1 << gate, zeros)
-                        if tied:
-                            y = _autograd.tie(y, tied, zeros)
-                        _dead_grads.after_call(usage, y)
-                    usage.bits |= 1 << gate
+        unit = self._unit
+        if type(gate) is int and not args and not kwargs and not torch.compiler.is_compiling():
+            # The per-batch int gate: the chosen branch, as if/else calls it, and the record;
+            # the parameters of the others are tied by the wrapper, if at all (Mode).
+            if unit.mode_here().call_ties is None and 0 <= gate < len(self._modules):
+                y = self._modules[str(gate)](x)
+                unit.bits |= 1 << gate
                 return y
         if _route.traced(x, gate):
             return _route.route_traced(list(self._modules.values()), x, gate, args, kwargs)
         _route.check_x(x)
-        zeros = _dead_grads.tie_policy(self.materialize_grads, "MaskedBranch", self._usage, self)
-        table = self._branches()
+        compiling = torch.compiler.is_compiling()
+        mode = _unit.traced_mode(self) if compiling else unit.mode_here()
+        if unit.signatures is None and not compiling:
+            unit.signatures = Signatures()
         out, ran = _route.route(
-            table, x, gate, args, kwargs, zeros=zeros, signatures=self._signatures, where="branches",
-            usage=self._usage, module=self,
+            self._branches(), x, gate, args, kwargs, mode=mode, signatures=None if compiling else unit.signatures,
+            where="branches", wiring=None if compiling else unit.wiring,
         )
-        if torch.is_grad_enabled():
-            _route.record(self._usage, ran)
-            if zeros is not None and not torch.compiler.is_compiling():
-                _dead_grads.after_call(self._usage, out)
+        _route.record(unit, ran)
         return out
 
     def __prepare_scriptable__(self) -> nn.Module:
@@ -173,7 +164,7 @@ class MaskedBranch(_structure.RoutingModuleList):
         )
 
     def extra_repr(self) -> str:
-        return "" if self.materialize_grads is None else f"materialize_grads={_dead_grads.materialize_name(self.materialize_grads)}"
+        return "" if self.materialize_grads is None else f"materialize_grads={materialize_name(self.materialize_grads)}"
 
     def __repr__(self) -> str:
         # nn.ModuleList's repr lists the children only: the setting goes on the first line
@@ -183,13 +174,19 @@ class MaskedBranch(_structure.RoutingModuleList):
         head, sep, rest = text.partition("(\n")
         return f"{head}({extra}\n{rest}" if sep else f"{type(self).__name__}({extra})"
 
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_materialize_grads"] = state.pop("_unit").materialize
+        return state
+
     def __setstate__(self, state) -> None:
-        # copy.deepcopy and pickle: caches and usage start fresh, and the copy is registered
+        # copy.deepcopy and pickle: a unit of its own, with a fresh record and no decision
+        materialize_grads = state.pop("_materialize_grads", state.pop("materialize_grads", None))
+        for stale in ("_cache", "_usage", "_signatures"):  # modules pickled by maskedbranch 0.2
+            state.pop(stale, None)
         super().__setstate__(state)
-        self._cache = None
-        self._usage = _usage.Usage()
-        self._usage.ensure(len(self._modules))
-        unused_grads.register(self)
+        self._unit = _unit.RoutingUnit(self, "MaskedBranch", materialize_grads)
+        self._unit.ensure(len(self._modules))
 
 
 def _load_old_layout(module, state_dict, prefix, *_args) -> None:
@@ -203,15 +200,19 @@ def _load_old_layout(module, state_dict, prefix, *_args) -> None:
 def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any, **kwargs: Any) -> Tensor:
     """Functional form of :class:`MaskedBranch`: ``branches`` is a sequence of callables
     (modules or functions; the parameters of ``nn.Module`` branches are tied in, with the
-    automatic gradient policy). Without a module to remember them, output signatures are not
-    kept: a call where no row reaches any branch infers the output shape on meta tensors."""
+    automatic gradient policy, each module branch being a routing unit of its own). Without a
+    module to remember them, output signatures are not kept: a call where no row reaches any
+    branch infers the output shape on meta tensors."""
     branch_list = _as_branch_list(branches, callables=True)
     if _route.traced(x, gate):
         return _route.route_traced(branch_list, x, gate, args, kwargs)
     _route.check_x(x)
     _structure.check_skippable(branch_list, "branches")
-    zeros = _dead_grads.tie_policy(None, "masked_branch")
-    out, ran = _route.route(_structure.Branches(branch_list), x, gate, args, kwargs, zeros=zeros)
-    if zeros is not None and torch.is_grad_enabled():
-        _usage.record_functional(branch_list, ran, out)  # for the reset of unused gradients
+    compiling = torch.compiler.is_compiling()
+    mode = Mode.SKIP if compiling else _functional.mode_here(branch_list, "masked_branch")  # compiled: every branch in the graph
+    if mode is None:  # no module branch (no parameters to tie): a router's output is tied under a wrapper
+        local = _unit.current_wrapper() is None and not (dist.is_available() and dist.is_initialized())
+        mode = Mode.SKIP if local else Mode.NONE
+    out, ran = _route.route(_structure.Branches(branch_list), x, gate, args, kwargs, mode=mode)
+    _functional.record(branch_list, ran, "masked_branch")
     return out

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from . import _compat, _dead_grads, _draws, _route, _structure, _usage, unused_grads
+from . import _compat, _draws, _functional, _route, _structure, _unit
 from ._args import check_per_row_devices, route_args
 from ._drop_args import (
     UNSET,
@@ -35,6 +35,7 @@ from ._drop_args import (
     take_positional,
     training_flag,
 )
+from ._unit import Mode, materialize, materialize_name
 from .drop_path import DropPath, _drop_path
 
 __all__ = ["drop_add_residual", "ResidualDropPath"]
@@ -92,9 +93,10 @@ def _fixed(x: Tensor, branch: Callable, args, kwargs, keep_prob: float, scale_by
 def _residual(
     x: Tensor, table: _structure.Branches, args: Tuple[Any, ...], kwargs: Dict[str, Any], drop_prob: Any,
     training: bool, mode: str, scale_by_keep: bool, generator: Optional[torch.Generator], kept: str,
-    materialize: Optional[bool], where: str, usage: Any = None, module: Any = None,
+    tie: Callable[[], Mode], wiring: Any = None,
 ) -> Tuple[Tensor, Any]:
-    """The output, and which units ran (for the module's record)."""
+    """The output, and which groups ran (for the unit's record). ``tie()``: the unit's mode
+    (maskedbranch/_unit.py), asked once the call routes."""
     if drop_prob == 0.0 or not training or isinstance(x, torch.fx.Proxy):
         # Nothing dropped, or symbolic tracing (which cannot follow data-dependent routing): the
         # dense formula. Under tracing shapes are unknown: the branch itself, without the check
@@ -115,9 +117,7 @@ def _residual(
         gate, scale = _draws.traced_routing(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype)
     else:  # a generator object cannot enter a graph: this draw runs eagerly (a graph break)
         gate, scale = _draws.host_routing_outside_graphs(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype, generator)
-    zeros = _dead_grads.tie_policy(materialize, where, usage, module)
-    return _route.route(table, x, gate, args, kwargs, zeros=zeros, base=x, scale=scale, where="branch", usage=usage,
-                        module=module)
+    return _route.route(table, x, gate, args, kwargs, mode=tie(), base=x, scale=scale, where="branch", wiring=wiring)
 
 
 def _settings(where: str, deprecated: tuple, mode: Any, scale_by_keep: Any, generator: Any, kept: Any):
@@ -170,13 +170,14 @@ def drop_add_residual(
     training = training_flag(training, "drop_add_residual")
     mode, scale_by_keep, generator, kept = _settings("drop_add_residual", deprecated, mode, scale_by_keep, generator, kept)
     return add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, args, kwargs, params,
-                        _dead_grads.materialize(materialize_grads))
+                        materialize(materialize_grads))
 
 
 def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, args, kwargs, params, materialize_grads,
-                 module: Optional[bool] = None) -> Tensor:
+                 module: Optional[bool] = None, owner: Optional[nn.Module] = None) -> Tensor:
     """:func:`drop_add_residual` with checked arguments (the timm patch calls it directly, with
-    ``module=False`` for its closures: Dynamo before 2.7 cannot take isinstance of one)."""
+    ``module=False`` for its closures, which Dynamo before 2.7 cannot take isinstance of, and
+    ``owner``, its block, whose unit decides)."""
     if module is None:
         if not callable(branch):
             raise TypeError(f"branch: expected a callable (a module or a function), got {type(branch).__name__}")
@@ -184,10 +185,26 @@ def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, a
     if training and p > 0 and module:
         _structure.check_skippable([branch], "branch")  # the policy of every routing module
     table = _structure.Branches([_Checked(branch)], params=[_branch_params(branch, params)])
+    if torch.compiler.is_compiling():
+        # Every branch is in the graph: only DDP's Python reducer needs the mode (aliases).
+        def traced() -> Mode:
+            return _unit.traced_mode(owner) if owner is not None else Mode.SKIP
+
+        return _residual(x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
+                         kept, traced)[0]
+    if owner is not None:
+        unit = owner._unit
+    else:
+        unit = _functional.unit_for(branch, "drop_add_residual") if module else _functional.FUNCTIONS
+
+    def tie() -> Mode:
+        unit.mode_here()
+        return unit.mode_for(materialize_grads)
+
     out, ran = _residual(x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
-                         kept, materialize_grads, "drop_add_residual")
-    if materialize_grads is None and module and torch.is_grad_enabled() and _dead_grads.distributed():
-        _usage.record_functional([branch], ran, out)  # for the reset of unused gradients
+                         kept, tie, unit.wiring)
+    if materialize_grads is None and module and owner is None:
+        _route.record(unit, ran)  # for the reset of unused gradients
     return out
 
 
@@ -233,14 +250,27 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
         )
         if len(deprecated) > 2:
             raise TypeError("ResidualDropPath: takes at most 4 positional arguments (branch, drop_prob and, deprecated, mode, scale_by_keep)")
-        self.materialize_grads = _dead_grads.materialize(materialize_grads)
-        self._cache: Optional[_structure.Branches] = None
         self._checked_branch = _Checked(branch)
-        self._usage = _usage.Usage()
-        unused_grads.register(self)
+        self._unit = _unit.RoutingUnit(self, "ResidualDropPath", materialize(materialize_grads))
+
+    @property
+    def materialize_grads(self) -> Optional[bool]:
+        return self._unit.materialize
+
+    @materialize_grads.setter
+    def materialize_grads(self, value: Any) -> None:
+        self._unit.materialize = materialize(value)
+        self._unit.forget()
 
     def _drop_caches(self) -> None:
-        self._cache = None
+        unit = self.__dict__.get("_unit")
+        if unit is not None:
+            unit.forget()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "branch" and "_unit" in self.__dict__:
+            self._drop_caches()
 
     def _checked(self) -> _Checked:
         """The branch with its output check: one object while the branch stays, since compiled
@@ -253,43 +283,48 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
         return checked
 
     def _table(self) -> _structure.Branches:
-        if _compat.tracing():  # built afresh (MaskedBranch._branches)
-            return _structure.Branches([self._checked()], params=[tuple(self.branch.parameters())])
-        cache = self._cache
-        epoch = _dead_grads.epoch()
-        if cache is None or cache.branches[0].branch is not self.branch or not cache.still_valid(epoch):
-            cache = _structure.Branches([self._checked()], params=[tuple(self.branch.parameters())], modules=[self.branch])
-            cache.still_valid(epoch)
-            if not torch.compiler.is_compiling():  # torch.export (strict) refuses module mutation
-                self._cache = cache
-        return cache
+        """The branch table, cached in the unit; built afresh while torch.compile or a torch.func
+        transform runs (MaskedBranch._branches)."""
+        unit = self._unit
+        table = unit.table
+        if table is None or _compat.tracing():
+            table = _structure.Branches([self._checked()], params=[tuple(self.branch.parameters())], modules=[self.branch])
+            if not _compat.tracing():
+                unit.table = table
+        return table
+
+    def _tie(self) -> Mode:
+        return _unit.traced_mode(self) if torch.compiler.is_compiling() else self._unit.mode_here()
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         p = check_drop_prob(self.drop_prob)
         mode = check_mode(self.mode)
         kept = check_kept(self.kept, mode)
         check_x(x)
-        if self.training and p > 0 and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            _dead_grads.context(self._usage)  # first: a new wrapper makes the cache check itself in depth
+        unit = self._unit
+        compiling = torch.compiler.is_compiling()
         table = self._table()
         if self.training and p > 0 and table.skippable is None:
-            _structure.check_skippable([self.branch], "branch")
+            self._check_skippable()  # once per table (decisions are made in any mode)
             table.skippable = True
         out, ran = _residual(
             x, table, args, kwargs, p, self.training, mode, self.scale_by_keep, self.generator, kept,
-            self.materialize_grads, "ResidualDropPath", self._usage, self,
+            self._tie, None if compiling else unit.wiring,
         )
-        if torch.is_grad_enabled() and not isinstance(x, torch.fx.Proxy):
-            _route.record(self._usage, ran)
-            if not torch.compiler.is_compiling():
-                _dead_grads.after_call(self._usage, out)
+        if not isinstance(x, torch.fx.Proxy):
+            _route.record(unit, ran)
         return out
+
+    # The routing unit's owner (maskedbranch/_unit.py): one group, the branch.
+    def _unit_groups(self) -> List[Sequence[Tensor]]:
+        return [tuple(self.branch.parameters())]
+
+    def _check_skippable(self) -> None:
+        if self.training and self.drop_prob > 0:
+            _structure.check_skippable([self.branch], "branch")
 
     def _unit_modules(self) -> List[nn.Module]:
         return [self.branch]
-
-    def _units(self) -> List[Sequence[Tensor]]:
-        return [tuple(self.branch.parameters())]
 
     def extra_repr(self) -> str:
         s = f"drop_prob={round(self.drop_prob, 3):0.3f}, mode={self.mode}"
@@ -298,16 +333,22 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
         if self.kept != "random":
             s += f", kept={self.kept}"
         if self.materialize_grads is not True:
-            s += f", materialize_grads={_dead_grads.materialize_name(self.materialize_grads)}"
+            s += f", materialize_grads={materialize_name(self.materialize_grads)}"
         return s
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_materialize_grads"] = state.pop("_unit").materialize
+        return state
 
     def __setstate__(self, state) -> None:
         state.setdefault("kept", "random")  # modules pickled before it existed
+        materialize_grads = state.pop("_materialize_grads", state.pop("materialize_grads", True))
+        for stale in ("_cache", "_usage"):  # modules pickled by maskedbranch 0.2
+            state.pop(stale, None)
         super().__setstate__(state)
-        self._cache = None
         self._checked_branch = _Checked(self.branch)  # also for modules pickled without it
-        self._usage = _usage.Usage()
-        unused_grads.register(self)
+        self._unit = _unit.RoutingUnit(self, "ResidualDropPath", materialize_grads)
 
     def __prepare_scriptable__(self) -> nn.Module:
         drop = DropPath(self.drop_prob, scale_by_keep=self.scale_by_keep, mode=self.mode).train(self.training)

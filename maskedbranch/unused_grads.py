@@ -4,7 +4,7 @@ to ``None``, so that the optimizer skips those parameters exactly as with if/els
 
 Where zeros come from: under a data-parallel wrapper, routing modules give the parameters of
 branches that did not run a gradient so that the wrapper's reduction works
-(maskedbranch/_dead_grads.py), and the wrapper writes zeros for a branch no rank ran; in a
+(maskedbranch/_decide.py), and the wrapper writes zeros for a branch no rank ran; in a
 compiled graph every branch runs, on no rows when it is dead, so its parameters get zeros too.
 Which ones no rank used is decided where every rank takes part, after each forward of the
 wrapper (maskedbranch/_wiring.py); in one process and in a model that no wrapper runs, from the
@@ -34,25 +34,29 @@ import torch
 from torch import Tensor, nn
 from torch.optim import optimizer as _optimizer
 
-from . import _dead_grads, _usage, _wiring
+from . import _decide, _functional, _unit, _wiring
+from ._unit import RoutingUnit
 
 __all__ = ["UnusedGradsToNone", "unused_grads_to_none", "uninstall"]
 
-_registry: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # routing modules alive
+_registry: "weakref.WeakSet[RoutingUnit]" = weakref.WeakSet()  # routing units alive
 _hook: List[Any] = []
 
 
-_alive = [0]  # routing modules alive (their finalizers count down)
+_alive = [0]  # routing units alive (their finalizers count down)
 
 
-def register(module: Any) -> None:
-    """Called by each routing module when it is created (or copied)."""
-    _registry.add(module)
-    _usage.note_module(module)
+def _created(unit: RoutingUnit) -> None:
+    """Each routing unit, when it is created (its module made or copied): the step pre-hook and
+    the watch for DDP modules built around it (maskedbranch/_wiring.py) exist while units do."""
+    _registry.add(unit)
     _alive[0] += 1
-    weakref.finalize(module, _gone)
+    weakref.finalize(unit, _gone)
     install()
-    _wiring.arm()
+    _wiring.watch_ddp_construction()
+
+
+_unit.DATA_PARALLEL.created = staticmethod(_created)
 
 
 def _gone() -> None:
@@ -74,7 +78,7 @@ def uninstall() -> None:
 def _maybe_uninstall() -> None:
     if _alive[0] <= 0 and not _wiring.all_wirings():
         uninstall()
-        _wiring.disarm()
+        _wiring.unwatch_ddp_construction()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,26 +104,22 @@ def _note_grad(p: Tensor) -> None:
     _refs[id(p)] = (weakref.ref(p), None if p.grad is None else weakref.ref(p.grad))
 
 
-def _local_modules() -> List[Any]:
-    out = []
-    for m in list(_registry) + list(_usage._functional.values()):
-        u = m._usage
-        if u.traced and m.materialize_grads is None and (u.binding is None or u.binding.kind == _dead_grads.LOCAL):
-            out.append(m)
-    return out
+def _local_units() -> List[RoutingUnit]:
+    """Compiled "auto" units that no wrapper runs: their graphs gave dead branches zeros."""
+    return [u for u in list(_registry) if u.traced and u.materialize is None and u.wiring is None]
 
 
 def _local_reset(optimizer: Any, held: set) -> int:
-    modules = _local_modules()
+    units = _local_units()
     now = _now[0]
     _now[0] = now + 1
     since, _since[optimizer] = _since.get(optimizer, 0), now + 1
     done = 0
-    for m in modules:
-        bits, cond = m._usage.take()
-        bits |= cond  # (a conditional unit counts as used here: no wrapper reads its gradients)
-        stamps = _stamps.setdefault(m, [])
-        for i, ps in enumerate(m._units()):
+    for u in units:
+        bits, cond, _ = u.take()
+        bits |= cond  # (a conditional group counts as used here: no wrapper reads its gradients)
+        stamps = _stamps.setdefault(u, [])
+        for i, ps in enumerate(u.groups()):
             if i >= len(stamps):
                 stamps.extend([-1] * (i + 1 - len(stamps)))
             if bits >> i & 1:
@@ -130,8 +130,8 @@ def _local_reset(optimizer: Any, held: set) -> int:
                 if id(p) in held and p.grad is not None and not _kept(p):
                     p.grad = None
                     done += 1
-    for m in modules:
-        for ps in m._units():
+    for u in units:
+        for ps in u.groups():
             for p in ps:
                 if id(p) in held:
                     _note_grad(p)
@@ -153,19 +153,14 @@ def _params_of(optimizer: Any) -> List[Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def _plan(optimizer: Any, wirings: Sequence[Any]) -> List[Tuple[Any, List[Tensor], List[int]]]:
-    """Per wiring, this optimizer's parameters in it and their positions (cached per optimizer
-    until its parameter groups or the wirings change)."""
-    key = (tuple(len(g["params"]) for g in optimizer.param_groups), _wiring._version[0])
+def _plan(optimizer: Any, wirings: Sequence[Any]) -> List[Tuple[Any, Any]]:
+    """Per wiring, what a step of this optimizer reads there (cached per optimizer until its
+    parameter groups or the wirings change)."""
+    key = (tuple(len(g["params"]) for g in optimizer.param_groups), _wiring.version[0], tuple(map(id, wirings)))
     found = _plans.get(optimizer)
     if found is None or found[0] != key:
         params = _params_of(optimizer)
-        plan = []
-        for w in wirings:
-            ks = w.positions(params)
-            mine = [(p, k) for p, k in zip(params, ks) if k >= 0]
-            if mine:
-                plan.append((w, [p for p, _ in mine], [k for _, k in mine]))
+        plan = [(w, sp) for w in wirings for sp in (w.step_plan(params),) if sp is not None]
         found = (key, plan)
         _plans[optimizer] = found
     return found[1]
@@ -175,10 +170,13 @@ def _check_fsdp2() -> None:
     """FSDP2 reduces only the gradients that are defined, pairing them by position across
     ranks: undefined gradients of skipped branches (``materialize_grads=False``) make it average
     different parameters together. Its sharded parameters (DTensors) show it at the step."""
-    for m in list(_registry):
-        if m.materialize_grads is False and getattr(next(m.parameters(), None), "device_mesh", None) is not None:
+    for u in list(_registry):
+        if u.materialize is not False:
+            continue
+        first = next((p for ps in u.groups() for p in ps), None)
+        if getattr(first, "device_mesh", None) is not None:
             raise RuntimeError(
-                f"{type(m).__name__}(materialize_grads=False) under FSDP2 (fully_shard): FSDP2 reduces "
+                f"{u.where}(materialize_grads=False) under FSDP2 (fully_shard): FSDP2 reduces "
                 "only defined gradients, so ranks that skipped different branches averaged different "
                 "parameters together in this step's backward. Use materialize_grads=None (the "
                 "default, zeros under FSDP2) or True."
@@ -188,13 +186,12 @@ def _check_fsdp2() -> None:
 def _reset(optimizer: Any, wirings: Optional[Sequence[Any]] = None) -> int:
     """Reset this optimizer's unused gradients: those of the given wirings (default: every
     automatic one, read now: a closure may have made one) and of the local scope."""
-    _wiring.disarm()  # every wrapper of the first iteration has run by now
     if wirings is None:
         wirings = [w for w in _wiring.all_wirings() if not w.explicit_kind]
     done = 0
-    for w, params, positions in _plan(optimizer, wirings):
-        done += w.reset(params, positions)
-    if any(m._usage.traced for m in list(_registry)) or _usage._functional:
+    for w, step_plan in _plan(optimizer, wirings):
+        done += w.reset(step_plan)
+    if any(u.traced for u in list(_registry)):
         held = {id(p) for p in _params_of(optimizer)}
         done += _local_reset(optimizer, held)
     last_reset[0] = done
@@ -202,10 +199,9 @@ def _reset(optimizer: Any, wirings: Optional[Sequence[Any]] = None) -> int:
 
 
 def _before_any_step(optimizer, args, kwargs) -> Optional[Tuple[tuple, dict]]:
-    _dead_grads.advance_epoch()
     if optimizer in _explicit:
         return None  # its own hook
-    if _dead_grads.distributed():
+    if _decide.distributed():
         _check_fsdp2()
     return _after_closure(optimizer, args, kwargs, lambda: _reset(optimizer))
 
@@ -245,7 +241,7 @@ class UnusedGradsToNone:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected an nn.Module (the model or its DDP wrapper), got {type(model).__name__}")
         root = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        if not _usage.routing_modules(root) and not _usage.functional_units_in(list(root.modules())):
+        if not _unit.routing_modules(root) and not _functional.units_in(list(root.modules())):
             raise ValueError("model: contains no MaskedBranch or ResidualDropPath, so no parameter can be found unused")
         existing = _wiring._wirings.get(model)
         self._made = existing is None
@@ -256,8 +252,8 @@ class UnusedGradsToNone:
         if not self._wiring.everything:
             self._wiring.everything = True  # modules with explicit settings too
             self._wiring.layout = None
-        for unit in _usage.functional_units_in(list(root.modules())):
-            self._wiring.add_functional(unit)
+        for unit in _functional.units_in(list(root.modules())):
+            self._wiring.decide(unit)
         self._optimizer = weakref.ref(optimizer)
         self._handle = optimizer.register_step_pre_hook(self._before_step)
         _explicit[optimizer] = self

@@ -96,7 +96,8 @@ class World:
             snap[name + ".grads"] = [k for k, p in m.named_parameters() if p.grad is not None]
             snap[name + ".training"] = [s.training for s in m.modules()]
             if isinstance(m, MaskedBranch):
-                snap[name + ".signatures"] = list(m._signatures.table.items())
+                sig = m._unit.signatures
+                snap[name + ".signatures"] = [] if sig is None else list(sig.table.items())
             if isinstance(m, (DropPath, ResidualDropPath)):
                 g = m.generator
                 snap[name + ".drop"] = (m.drop_prob, m.mode, m.scale_by_keep, None if g is None else g.get_state())

@@ -72,10 +72,10 @@ def test_masked_branch_cpu_autocast(kind, dtype):
         gate = gate.clone().requires_grad_()
     with torch.autocast("cpu", dtype=dtype):
         if kind == "all_dead":
-            # the dtype of an output no branch produced is learned from calls that ran a branch
-            # (a first call with no live row can only run a branch on meta tensors, where CPU
-            # autocast does not apply)
-            module(x, 0)
+            # the dtype of an output no branch produced is learned from tensor-gate calls that
+            # ran a branch (a first call with no live row can only run a branch on meta tensors,
+            # where CPU autocast does not apply; an int gate keeps no signature, as if/else)
+            module(x, torch.zeros(B, dtype=torch.long))
         y = module(x, gate)
     # what autocast gives a branch is what MaskedBranch gives (the if/else model's dtype)
     assert y.dtype == autocast_dtype_of(module[0], x, "cpu", dtype) == dtype

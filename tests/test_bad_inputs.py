@@ -145,9 +145,11 @@ def _(w):
     return lambda: m(w.x, w.ids)
 
 
-@case("MaskedBranch/a branch returning a tuple (int gate)", TypeError, r"^branches\[0\]: expected the branch to return a tensor, got tuple", ran=True)
+@case("MaskedBranch/a branch returning a tuple (int gate, zeros to tie)", TypeError,
+      r"^branches\[0\]: expected the branch to return a tensor, got tuple", ran=True)
 def _(w):
-    m = w.track(MaskedBranch([Returns(lambda y: (y,)), Branch()]).to(w.device))
+    # An int gate returns what the branch returns (if/else); a tie into it needs a tensor.
+    m = w.track(MaskedBranch([Returns(lambda y: (y,)), Branch()], materialize_grads="zeros").to(w.device))
     return lambda: m(w.x, 0)
 
 

@@ -153,9 +153,9 @@ def test_model_state_is_untouched():
 def test_routing_modules_are_left_as_found():
     model = fx.Supernet()
     model(torch.randn(2, 4), 1).sum().backward()  # a training step's record of branch 1
-    bits = model.choices._usage.bits
+    bits = model.choices._unit.bits
     find_divergent_parameters(model, choice_inputs([0, 2]))
-    assert model.choices._usage.bits == bits == 0b10  # what the step-time pruning will read
+    assert model.choices._unit.bits == bits == 0b10  # what the step-time pruning will read
     assert not model.choices._forward_pre_hooks  # the doctor's call counters are gone
     assert model.choices[0].weight.grad is None
 

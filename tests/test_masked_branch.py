@@ -316,16 +316,16 @@ def test_branches_disagreeing():
     torch.testing.assert_close(m(x, 0), m[0](x))
 
 
-@pytest.mark.parametrize("gate", [0, torch.tensor([0, 1] * (B // 2))], ids=["int", "ids"])
+class Changing(nn.Module):
+    change = None
+
+    def forward(self, x):
+        return x if self.change is None else self.change(x)
+
+
+@pytest.mark.parametrize("gate", [torch.tensor([0, 1] * (B // 2)), torch.tensor([0] * B)], ids=["ids", "ids-one-branch"])
 def test_branch_output_checked(gate):
-    """One row out per row in, and a tensor, on every call (the int gate's fast path too)."""
-
-    class Changing(nn.Module):
-        change = None
-
-        def forward(self, x):
-            return x if self.change is None else self.change(x)
-
+    """A tensor gate combines rows: one row out per row in, and a tensor, on every call."""
     branch = Changing()
     m = MaskedBranch([branch, nn.Identity()])
     x = torch.randn(B, 3, dtype=torch.float64)
@@ -337,6 +337,25 @@ def test_branch_output_checked(gate):
             m(x, gate)
     branch.change = None
     torch.testing.assert_close(m(x, gate), x)
+
+
+def test_int_gate_returns_what_the_branch_returns():
+    """An int gate is if/else: the chosen branch's output, whatever it is (multi-task heads of
+    different sizes, a tuple), in a training loop as between steps."""
+    heads = MaskedBranch([nn.Linear(3, 2), nn.Linear(3, 5), Changing()])
+    heads[2].change = lambda t: (t, t.sum())
+    opt = torch.optim.SGD(heads.parameters(), lr=0.1)
+    x = torch.randn(B, 3)
+    for step in range(4):
+        for k, width in ((0, 2), (1, 5)):
+            y = heads(x, k)
+            assert y.shape == (B, width)
+            y.sum().backward()
+        out = heads(x, 2)
+        assert isinstance(out, tuple) and out[0] is x
+        opt.step()
+        opt.zero_grad()
+    assert heads(x[:1], 1).shape == (1, 5)
 
 
 @pytest.mark.parametrize("kind", ["ids", "mask", "weights"])

@@ -224,7 +224,7 @@ def test_caches_stay_bounded_when_shapes_and_probabilities_vary():
         out.sum().backward()
 
     check("varying shapes and drop probabilities", *measure(step))
-    assert len(module._signatures.table) <= module._signatures.size
+    assert len(module._unit.signatures.table) <= module._unit.signatures.size
 
 
 @pytest.mark.cuda

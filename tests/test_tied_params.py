@@ -197,7 +197,7 @@ def test_many_live_sets_past_the_cache_bound(monkeypatch):
             grads = [p.grad for p in m[i].parameters()]
             assert all(g is not None for g in grads)
             assert any(torch.count_nonzero(g) > 0 for g in grads) == bool(live >> i & 1)
-    assert len(m._cache._tied) <= 4
+    assert len(m._unit.table._tied) <= 4
 
 
 @pytest.mark.parametrize("materialize", [None, *TIED])

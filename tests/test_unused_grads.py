@@ -299,3 +299,40 @@ def test_nccl_group_reduces_on_the_device(tmp_path):
         assert all(grads_none(model.layers[0][1])) and not any(grads_none(model.layers[1][1]))
     finally:
         dist.destroy_process_group()
+
+
+class _Counting:
+    """Counts calls of a function of a module (monkeypatched in)."""
+
+    def __init__(self, monkeypatch, module, name):
+        self.calls, fn = 0, getattr(module, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+
+def test_int_gate_in_a_training_loop_calls_the_branch_and_decides_once(monkeypatch):
+    """A routed int-gate call between optimizer steps, as users train: the chosen branch is
+    called directly (no routing path), whatever the optimizer did before, and each module decides
+    what its dead parameters get once, not per call or per step."""
+    from maskedbranch import _route, _unit, _wiring
+
+    torch.manual_seed(7)
+    layers = nn.ModuleList(MaskedBranch([mlp() for _ in range(N)]) for _ in range(4))
+    opt = torch.optim.AdamW(layers.parameters(), lr=1e-3)
+    routed = _Counting(monkeypatch, _route, "route")
+    decided = _Counting(monkeypatch, _wiring, "decide")
+    monkeypatch.setattr(_unit.DATA_PARALLEL, "decide", _wiring.decide)  # the seam holds the function itself
+    x = torch.randn(ROWS, D)
+    for step in range(6):
+        h = x
+        for i, layer in enumerate(layers):
+            h = h + layer(h, (step + i) % N)
+        h.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert routed.calls == 0
+    assert decided.calls == len(layers)

@@ -11,7 +11,11 @@ included), with routing that differs per rank and per step:
 * a frozen branch; a parameter shared by a branch and the trunk, with two DDP roots alive;
 * a rank-local model in the distributed job (rank 0 trains it alone: no collective, if/else);
 * hand-written averaging and an explicit handle (``unused_grads_to_none``);
-* DDP's Join (uneven inputs), refused with a message.
+* DDP's Join (uneven inputs), refused with a message;
+* activation checkpointing of every routed layer, reentrant and not, with AdamW;
+* ``no_sync`` accumulation where a branch runs on one rank only, in the ``no_sync`` micro-batch,
+  with another model's optimizer stepped before this model's first forward, and after it;
+* multi-task heads of different output sizes under an int gate (the task differs per rank).
 
 The one-process cases are in tests/test_unused_grads.py.
 """
@@ -276,10 +280,169 @@ def static_unused(rank, group):
         return str(e)
 
 
+class CheckpointedNet(nn.Module):
+    """3 routed layers of ``Linear(8, 8)`` branches, each layer checkpointed (``ckpt``: "reentrant",
+    "non-reentrant", or None for the plain model)."""
+
+    def __init__(self, masked, ckpt):
+        super().__init__()
+        torch.manual_seed(21)
+        self.masked, self.ckpt = masked, ckpt
+        self.pre = nn.Linear(4, 8)
+        self.layers = nn.ModuleList((MaskedBranch if masked else nn.ModuleList)([nn.Linear(8, 8) for _ in range(N)])
+                                    for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x, path):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.pre(x))
+        for layer, k in zip(self.layers, path):
+            run = (lambda t, layer=layer, k=k: torch.tanh(layer(t, k))) if self.masked else (
+                lambda t, layer=layer, k=k: torch.tanh(layer[k](t)))
+            if self.ckpt is None:
+                h = h + run(h)
+            else:
+                h = h + checkpoint(run, h, use_reentrant=self.ckpt == "reentrant")
+        return self.head(h)
+
+
+def checkpointed(ckpt):
+    def case(rank, group):
+        """Every rank its own path through 3 checkpointed routed layers, 5 steps of AdamW,
+        against the same if/else model without checkpointing under find_unused_parameters=True
+        (which fails with reentrant checkpointing and per-rank routing)."""
+        masked = DDP(CheckpointedNet(True, ckpt).double(), process_group=group)
+        ifelse = DDP(CheckpointedNet(False, None).double(), process_group=group, find_unused_parameters=True)
+        models = [masked, ifelse]
+        opts = [torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1) for m in models]
+        worst, none_mismatch, grads = 0.0, [], []
+        for step in range(5):
+            g = torch.Generator().manual_seed(step * 7 + rank)
+            x, t = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 2, generator=g, dtype=torch.float64)
+            path = torch.randint(0, N, (3,), generator=g).tolist()
+            for m, opt in zip(models, opts):
+                opt.zero_grad()
+                (m(x, path) - t).square().mean().backward()
+                opt.step()
+            w, nm = state_diff(training_state(masked.module), training_state(ifelse.module))
+            worst, none_mismatch = max(worst, w), none_mismatch + [(step, k) for k in nm]
+            grads.append([None if p.grad is None else p.grad.clone() for p in masked.parameters()])
+        return {"worst": worst, "none_mismatch": none_mismatch, "grads": grads}
+
+    return case
+
+
+def no_sync_first(other_first):
+    def case(rank, group):
+        """Two micro-batches, the first under no_sync; layer 0's branch 2 runs on rank 1 only, in
+        the no_sync micro-batch. ``other_first``: another model's optimizer steps before this DDP
+        model's first forward (a multi-task job's other head, a GAN's critic)."""
+        other = Net(materialize=None).double()
+        other_opt = sgd(other.parameters())
+        models = pair(group)
+        opts = [sgd(m.parameters()) for m in models]
+        if other_first:
+            loss_of(other, 0, gates_for(0, rank), rank).backward()
+            other_opt.step()
+        worst, none_mismatch = 0.0, []
+        for step in range(STEPS):
+            for m, opt in zip(models, opts):
+                opt.zero_grad()
+                with m.no_sync():
+                    first = [torch.full((ROWS,), 2 if rank == 1 and step == 0 else rank, dtype=torch.long), 0]
+                    loss_of(m, step, first, rank).backward()
+                loss_of(m, step + 100, [torch.zeros(ROWS, dtype=torch.long), 1], rank).backward()
+                opt.step()
+            if not other_first:
+                other_opt.zero_grad()
+                loss_of(other, step, gates_for(step, rank), rank).backward()
+                other_opt.step()
+            w, nm = state_diff(training_state(models[0].module), training_state(models[1].module))
+            worst, none_mismatch = max(worst, w), none_mismatch + [(step, k) for k in nm]
+        return {"worst": worst, "none_mismatch": none_mismatch, "params": [p.detach().clone() for p in models[0].parameters()]}
+
+    return case
+
+
+class Heads(nn.Module):
+    """A shared trunk and one head per task, of its own width (2, 3, 5 outputs)."""
+
+    def __init__(self, masked):
+        super().__init__()
+        torch.manual_seed(13)
+        self.masked = masked
+        self.trunk = nn.Linear(4, 6)
+        heads = [nn.Linear(6, w) for w in (2, 3, 5)]
+        self.heads = MaskedBranch(heads) if masked else nn.ModuleList(heads)
+
+    def forward(self, x, task):
+        h = torch.tanh(self.trunk(x))
+        return self.heads(h, task) if self.masked else self.heads[task](h)
+
+
+def heads(rank, group):
+    """Multi-task heads of different widths under an int gate, the task differing per rank and
+    step: trains as if/else under find_unused_parameters=True (AdamW)."""
+    models = [DDP(Heads(True).double(), process_group=group),
+              DDP(Heads(False).double(), process_group=group, find_unused_parameters=True)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1) for m in models]
+    worst, none_mismatch = 0.0, []
+    for step in range(5):
+        task = 0 if step == 4 else (step + rank) % 2  # head 2 never runs
+        g = torch.Generator().manual_seed(step * 3 + rank)
+        x = torch.randn(6, 4, generator=g, dtype=torch.float64)
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            m(x, task).square().mean().backward()
+            opt.step()
+        w, nm = state_diff(training_state(models[0].module), training_state(models[1].module))
+        worst, none_mismatch = max(worst, w), none_mismatch + [(step, k) for k in nm]
+    return {"worst": worst, "none_mismatch": none_mismatch}
+
+
+def per_call_path(rank, group):
+    """Int-gate calls under DDP in a training loop (AdamW, 6 steps): the chosen branch is called
+    directly (no routing path), each module decides once for the wrapper, and the dead branches'
+    parameters are tied by the wrapper (DDP's reduction finishes every step)."""
+    from maskedbranch import _route, _unit, _wiring
+
+    counts = {"route": 0, "decide": 0}
+    route, decide = _route.route, _wiring.decide
+
+    def counted_route(*args, **kwargs):
+        counts["route"] += 1
+        return route(*args, **kwargs)
+
+    def counted_decide(*args, **kwargs):
+        counts["decide"] += 1
+        return decide(*args, **kwargs)
+
+    _route.route, _unit.DATA_PARALLEL.decide = counted_route, counted_decide
+    try:
+        model, ifelse = (m for m in (DDP(Heads(True).double(), process_group=group),
+                                     DDP(Heads(False).double(), process_group=group, find_unused_parameters=True)))
+        opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, ifelse)]
+        for step in range(6):
+            x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            for m, opt in zip((model, ifelse), opts):
+                opt.zero_grad()
+                m(x, (step + rank) % 3).square().mean().backward()
+                opt.step()
+        modes = {m._unit.mode.name for m in model.modules() if hasattr(m, "_unit")}
+        w, nm = state_diff(training_state(model.module), training_state(ifelse.module))
+    finally:
+        _route.route, _unit.DATA_PARALLEL.decide = route, staticmethod(decide)
+    return {**counts, "modes": sorted(modes), "worst": w, "none_mismatch": nm}
+
+
 CASES = {
     "zero": zero, "set_to_none_false": set_to_none_false, "gan": gan, "ema": ema, "frozen_branch": frozen_branch,
     "shared_two_roots": shared_two_roots, "rank_local": rank_local, "hand_written": hand_written,
     "explicit_under_ddp": explicit_under_ddp, "join_refused": join_refused, "static_unused": static_unused,
+    "ckpt_reentrant": checkpointed("reentrant"), "ckpt_non_reentrant": checkpointed("non-reentrant"),
+    "no_sync_other_first": no_sync_first(True), "no_sync_other_after": no_sync_first(False), "heads": heads,
+    "per_call_path": per_call_path,
 }
 
 
@@ -297,7 +460,9 @@ def ranks():
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("case", ["zero", "set_to_none_false", "gan", "ema", "frozen_branch", "explicit_under_ddp"])
+@pytest.mark.parametrize("case", ["zero", "set_to_none_false", "gan", "ema", "frozen_branch", "explicit_under_ddp",
+                                  "ckpt_reentrant", "ckpt_non_reentrant", "no_sync_other_first", "no_sync_other_after",
+                                  "heads"])
 def test_trains_as_ifelse_with_find_unused_parameters(ranks, case):
     for r, res in enumerate(results_of(ranks, case)):
         assert res["worst"] < 1e-10 and not res["none_mismatch"], (r, res["worst"], res["none_mismatch"][:5])
@@ -335,3 +500,24 @@ def test_unused_parameter_outside_routing_is_named_at_the_first_step(ranks):
     for res in results_of(ranks, "static_unused"):
         assert res.startswith("maskedbranch: spare.weight, spare.bias took no part in this backward"), res
         assert "find_unused_parameters=True" in res
+
+
+@pytest.mark.parametrize("case", ["ckpt_reentrant", "ckpt_non_reentrant"])
+def test_checkpointed_gradients_are_averaged(ranks, case):
+    """The gradients of every step are the same on both ranks (averaged, not each rank's own)."""
+    a, b = results_of(ranks, case)
+    for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
+        for i, (x, y) in enumerate(zip(ga, gb)):
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f"step {step}, parameter {i}"
+
+
+@pytest.mark.parametrize("case", ["no_sync_other_first", "no_sync_other_after"])
+def test_no_sync_replicas_stay_equal(ranks, case):
+    a, b = results_of(ranks, case)
+    assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
+
+
+def test_int_gate_under_ddp_calls_the_branch_and_decides_once(ranks):
+    for r, res in enumerate(results_of(ranks, "per_call_path")):
+        assert res["route"] == 0 and res["decide"] == 1 and res["modes"] == ["AT_WRAPPER"], (r, res)
+        assert res["worst"] < 1e-10 and not res["none_mismatch"], (r, res)

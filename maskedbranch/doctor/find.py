@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .. import _dead_grads
+from .. import _wiring
 from ..residual import ResidualDropPath
 from ..nn import MaskedBranch
 from . import report as R
@@ -81,14 +81,14 @@ def find_divergent_parameters(
     try:
         model.train(train)
         cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=cuda), _dead_grads.as_if_under_ddp():
+        with torch.random.fork_rng(devices=cuda), _wiring.as_if_under_ddp(model) as ddp:
             for rank, spec in enumerate(inputs_per_rank):
                 if seed is not None:
                     torch.manual_seed(seed + rank)
                 watch.start()
                 try:
                     note = lambda msg, r=rank: notes.setdefault(msg, []).append(r)  # noqa: E731
-                    states.append(run_rank(model, params, spec, rank, loss_fn, note))
+                    states.append(run_rank(model, params, spec, rank, loss_fn, note, ddp.tie))
                 except RankError as e:
                     failures.append(e.failure)
                     states.append([R.FAILED] * len(params))
@@ -126,7 +126,7 @@ class _Watch:
         self.routing = [R.RoutingUse(names[id(m)], type(m).__name__, [names.get(id(u), "?") for u in m._unit_modules()],
                                      drop_prob=getattr(m, "drop_prob", None), mode=getattr(m, "mode", ""))
                         for m in self.mods]
-        self.saved = [m._usage.bits for m in self.mods]
+        self.saved = [m._unit.bits for m in self.mods]
         self.handles = [m.register_forward_pre_hook(functools.partial(self._pre, r), with_kwargs=True)
                         for m, r in zip(self.mods, self.routing)]
 
@@ -139,17 +139,17 @@ class _Watch:
     def start(self) -> None:
         for m, r in zip(self.mods, self.routing):
             r.calls.append(0)
-            m._usage.bits = 0
+            m._unit.bits, m._unit.called = 0, False
 
     def stop(self) -> None:
         for m, r in zip(self.mods, self.routing):
-            r.ran.append(m._usage.bits)
+            r.ran.append(m._unit.bits)
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
         for m, bits in zip(self.mods, self.saved):
-            m._usage.bits = bits
+            m._unit.bits = bits
 
 
 def _classify(model: nn.Module, params: List[Tensor], uses: List[R.ParameterUse], watch: _Watch,
@@ -158,7 +158,7 @@ def _classify(model: nn.Module, params: List[Tensor], uses: List[R.ParameterUse]
     routing = watch.routing
     owners: Dict[int, List[Tuple[int, int]]] = {}  # id(param) -> [(routing module, branch)], outer first
     for k, m in enumerate(watch.mods):
-        for i, ps in enumerate(m._units()):
+        for i, ps in enumerate(m._unit_groups()):
             for p in ps:
                 owners.setdefault(id(p), []).append((k, i))
     idle = [bool(ran) and not any(r.calls[i] for i in ran) for r in routing]

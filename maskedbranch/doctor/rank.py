@@ -42,14 +42,16 @@ def _user_traceback(exc: BaseException) -> str:
 
 
 def run_rank(model: nn.Module, params: List[Tensor], spec: Any, rank: int,
-             loss_fn: Optional[Callable[[Any], Tensor]], note: Callable[[str], None]) -> List[str]:
-    """The state of each of ``params`` on this rank (GRAD, ZERO, TIED or UNUSED)."""
+             loss_fn: Optional[Callable[[Any], Tensor]], note: Callable[[str], None],
+             wrapper_tie: Callable[[Any], Any] = lambda out: out) -> List[str]:
+    """The state of each of ``params`` on this rank (GRAD, ZERO, TIED or UNUSED). ``wrapper_tie``:
+    what the DDP wrapper ties into the forward's output (maskedbranch/_wiring.py)."""
     states, stage = [UNUSED] * len(params), "inputs"
     try:
         args, kwargs = _as_call(resolve(spec, rank))
         with torch.enable_grad():
             stage = "forward"
-            out = model(*args, **kwargs)
+            out = wrapper_tie(model(*args, **kwargs))
             stage = "loss"
             loss = _loss(out, loss_fn, note)
             if loss is None or not loss.requires_grad:

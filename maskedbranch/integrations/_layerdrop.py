@@ -20,10 +20,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-from .. import _autograd, _dead_grads, _structure, _usage, _wiring, unused_grads
+from .. import _structure, _unit
+from .._route import tie_unrun
+from .._unit import Held, Mode
 from ._transformers_rules import Rule
 
 # ----------------------------------------------------------------------------------------------
@@ -113,20 +116,28 @@ class LayerDropList(_structure.RoutingModuleList):
         super().__init__(layers)
         self.rule = rule
         self.where = where
-        self.materialize_grads = materialize_grads
         self._p: Optional[float] = None  # the probability while the owner's training forward runs
         self._tables: Optional[List[_structure.Branches]] = None
-        self._usage = _usage.Usage()
+        self._unit = _unit.RoutingUnit(self, where, materialize_grads)
         self._reset_forward_state()
-        unused_grads.register(self)
+
+    @property
+    def materialize_grads(self) -> Optional[bool]:
+        return self._unit.materialize
+
+    @materialize_grads.setter
+    def materialize_grads(self, value: Optional[bool]) -> None:
+        self._unit.materialize = value
+        self._unit.forget()
 
     def _reset_forward_state(self) -> None:
         self._owner: Optional[weakref.ref] = None  # set by the owner's pre-hook (copies re-learn it)
         self._fwd: Optional[int] = None  # the units the current forward ran (None: not recorded)
-        self._extras: List[Tuple[Tensor, bool]] = []  # other inputs that dropped layers tied in, with zeros?
+        self._extras: List[Tensor] = []  # other inputs that dropped layers tied in
 
-    # Units: each layer, then the owner's other parameters (embeddings, norms: the owner's output
-    # may go unused, see _leave), which nested LayerDrop owners keep as units of their own.
+    # The unit's groups (maskedbranch/_unit.py): each layer, then the owner's other parameters
+    # (embeddings, norms: the owner's output may go unused, see _leave), which nested LayerDrop
+    # owners keep as groups of their own.
     def _owner_module(self) -> Optional[nn.Module]:
         return None if self._owner is None else self._owner()
 
@@ -134,25 +145,30 @@ class LayerDropList(_structure.RoutingModuleList):
         owner = self._owner_module()
         return list(self._modules.values()) + ([] if owner is None else [owner])
 
-    def _units(self) -> List[Sequence[Tensor]]:
-        units = [tuple(m.parameters()) for m in self._modules.values()]
+    def _unit_groups(self) -> List[Sequence[Tensor]]:
+        groups = [tuple(m.parameters()) for m in self._modules.values()]
         owner = self._owner_module()
         if owner is not None:
-            units.append(tuple(_own_parameters(owner)))
-        return units
+            groups.append(tuple(_own_parameters(owner)))
+        return groups
+
+    def _check_skippable(self) -> None:
+        fsdp = _fsdp_module_type()
+        # A layer that is an FSDP2 unit is entered even when dropped (see _Dropped); its inner
+        # modules are checked there, once its parameters are gathered.
+        _structure.check_skippable([m for m in self._modules.values() if fsdp is None or not isinstance(m, fsdp)], self.where)
 
     def _drop_caches(self) -> None:
         self._tables = None
+        unit = self.__dict__.get("_unit")
+        if unit is not None:
+            unit.forget()
 
     def _table(self, i: int) -> _structure.Branches:
         tables = self._tables
         if tables is None or len(tables) != len(self._modules) or tables[i].branches[0] is not self._modules[str(i)]:
-            layers = list(self._modules.values())
-            fsdp = _fsdp_module_type()
-            # A layer that is an FSDP2 unit is entered even when dropped (see _Dropped); its
-            # inner modules are checked there, once its parameters are gathered.
-            _structure.check_skippable([m for m in layers if fsdp is None or not isinstance(m, fsdp)], self.where)
-            tables = self._tables = [_structure.Branches([m]) for m in layers]
+            self._check_skippable()
+            tables = self._tables = [_structure.Branches([m]) for m in self._modules.values()]
         return tables[i]
 
     def __iter__(self):
@@ -162,10 +178,10 @@ class LayerDropList(_structure.RoutingModuleList):
 
     def _draw(self, p: float):
         rule = self.rule
-        zeros = _dead_grads.tie_policy(self.materialize_grads, self.where, self._usage)
+        mode = self._unit.mode_here()
         for i, layer in enumerate(list(self._modules.values())):
             if i >= rule.first and _dropped(rule, p):
-                yield _Dropped(self, i, layer, zeros)
+                yield _Dropped(self, i, layer, mode)
             else:
                 if self._fwd is not None:
                     self._fwd |= 1 << i
@@ -174,13 +190,19 @@ class LayerDropList(_structure.RoutingModuleList):
     def extra_repr(self) -> str:
         return f"LayerDrop of {self.where}" + ("" if self.materialize_grads is None else f", materialize_grads={self.materialize_grads}")
 
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_materialize_grads"] = state.pop("_unit").materialize
+        return state
+
     def __setstate__(self, state) -> None:
-        # copy.deepcopy and pickle: caches and usage start fresh, and the copy is registered
+        # copy.deepcopy and pickle: a unit of its own, with a fresh record and no decision
+        materialize_grads = state.pop("_materialize_grads", state.pop("materialize_grads", None))
+        state.pop("_usage", None)  # lists pickled by maskedbranch 0.2
         super().__setstate__(state)
         self._p, self._tables = None, None
-        self._usage = _usage.Usage()
+        self._unit = _unit.RoutingUnit(self, self.where, materialize_grads)
         self._reset_forward_state()
-        unused_grads.register(self)
 
 
 def _own_parameters(owner: nn.Module) -> List[Tensor]:
@@ -209,10 +231,10 @@ class _Dropped:
     states it is given (with the layer's parameters tied in, when the job needs them to get a
     gradient) without running the layer."""
 
-    __slots__ = ("owner", "index", "layer", "zeros")
+    __slots__ = ("owner", "index", "layer", "mode")
 
-    def __init__(self, owner: LayerDropList, index: int, layer: nn.Module, zeros: Optional[bool]):
-        self.owner, self.index, self.layer, self.zeros = owner, index, layer, zeros
+    def __init__(self, owner: LayerDropList, index: int, layer: nn.Module, mode: Mode):
+        self.owner, self.index, self.layer, self.mode = owner, index, layer, mode
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self.owner
@@ -229,16 +251,16 @@ class _Dropped:
         fsdp = _fsdp_module_type()
         if fsdp is not None and isinstance(self.layer, fsdp):
             return self._through_unit(args, kwargs)
-        table = owner._table(self.index)
-        if self.zeros is not None and torch.is_grad_enabled():
-            found = table.tied(0)
-            if found is None:  # a parameter of the layer was replaced
-                table.refresh()
-                found = table.tied(0)
-            tied = [p for p in found if p.requires_grad]
-            if tied:
-                x = _autograd.tie(x, tied, self.zeros)
-            x = _tie_other_inputs(owner, x, args, kwargs, True if self.zeros else _autograd.ZEROS_WHEN_COMPILED)
+        mode = self.mode
+        if mode.ties_inputs and torch.is_grad_enabled():
+            params: Sequence[Tensor] = ()
+            if mode.call_ties is not None:  # else the wrapper ties the layer's parameters (Mode.AT_WRAPPER)
+                table = owner._table(self.index)
+                params = table.tied(0)
+                if params is None:  # a parameter of the layer was replaced
+                    table.refresh()
+                    params = table.tied(0)
+            x = tie_unrun(x, mode, params, _other_inputs(owner, args, kwargs, mode))
         return _dropped_output(rule, x, kwargs)
 
     def _through_unit(self, args, kwargs) -> Any:
@@ -251,10 +273,7 @@ class _Dropped:
         def forward(*args, **kwargs):
             _structure.check_skippable(list(layer.children()), f"{owner.where}[{self.index}]")
             x = args[0] if args else kwargs["hidden_states"]
-            tied = [p for p in layer.parameters() if p.requires_grad]
-            if torch.is_grad_enabled():
-                x = _autograd.tie(x, tied, True) if tied else x
-                x = _tie_other_inputs(owner, x, args, kwargs, True)
+            x = tie_unrun(x, Mode.ZEROS, list(layer.parameters()), _other_inputs(owner, args, kwargs, Mode.ZEROS))
             return _dropped_output(owner.rule, x, kwargs)
 
         layer.forward = forward  # an instance attribute: nn.Module.__call__ runs it inside the hooks
@@ -264,23 +283,21 @@ class _Dropped:
             del layer.forward
 
 
-def _tie_other_inputs(owner: LayerDropList, x: Tensor, args: tuple, kwargs: Dict[str, Any], zeros) -> Tensor:
-    """Tie the dropped layer's other inputs that need a gradient (a decoder's encoder output)
-    into ``x``: a rank that drops every layer of a decoder would otherwise leave the encoder's
-    parameters out of the backward, and DDP or FSDP2 waiting for them. They are noted for the
-    owner's post-hook (_leave)."""
-    if not _dead_grads.distributed():
-        return x  # one process: nothing waits for the encoder's parameters
+def _other_inputs(owner: LayerDropList, args: tuple, kwargs: Dict[str, Any], mode: Mode) -> List[Tensor]:
+    """The dropped layer's other inputs that need a gradient (a decoder's encoder output), to tie
+    into the hidden states: a rank that drops every layer of a decoder would otherwise leave the
+    encoder's parameters out of the backward, and DDP or FSDP2 waiting for them. They are noted
+    for the owner's post-hook (_leave). None in one process (nothing waits for them)."""
+    if not (dist.is_available() and dist.is_initialized()) or not mode.ties_inputs:
+        return []
     given = args[0] if args else kwargs.get("hidden_states")
     others = [t for t in (*args[1:], *kwargs.values()) if isinstance(t, Tensor) and t is not given and t.requires_grad]
-    if not others:
-        return x
-    owner._extras.extend((t, zeros is True) for t in others)
-    return _autograd.tie(x, others, zeros)
+    owner._extras.extend(others)
+    return others
 
 
 # Each owner's output (its first tensor), while alive: id -> (weakref, the units its forward ran).
-_produced: Dict[int, Tuple[weakref.ref, _usage.Held]] = {}
+_produced: Dict[int, Tuple[weakref.ref, Held]] = {}
 
 
 def _first_tensor(output: Any) -> Optional[Tensor]:
@@ -292,7 +309,7 @@ def _first_tensor(output: Any) -> Optional[Tensor]:
     return None
 
 
-def _note_output(t: Tensor, held: _usage.Held) -> None:
+def _note_output(t: Tensor, held: Held) -> None:
     key = id(t)
 
     def forget(ref, key=key):
@@ -302,12 +319,12 @@ def _note_output(t: Tensor, held: _usage.Held) -> None:
     _produced[key] = (weakref.ref(t, forget), held)
 
 
-def _make_conditional(extras: List[Tuple[Tensor, bool]]) -> None:
+def _make_conditional(extras: List[Tensor]) -> None:
     """A forward that dropped every layer used its other inputs only through the tie: the units
     of the owner that produced one (an encoder) count only if its output gets a gradient from
     elsewhere, as with if/else and find_unused_parameters=True (maskedbranch/_wiring.py reads
     that from the gradients at the step)."""
-    for t, _zeros in {id(t): (t, z) for t, z in extras}.values():
+    for t in {id(t): t for t in extras}.values():
         entry = _produced.get(id(t))
         if entry is not None and entry[0]() is t:
             entry[1].conditional = True
@@ -324,13 +341,13 @@ def _enter(owner: nn.Module, args: Any) -> None:
         return
     if layers._owner_module() is not owner:
         layers._owner = weakref.ref(owner)
-        _wiring.forget_layouts()  # the owner's parameters became a unit
+        layers._unit.forget()  # the owner's parameters became a group: wirings make their layouts again
     n = len(layers._modules)
     # What the forward runs: the owner's own parameters (unit n), and every layer unless it draws.
     layers._fwd = (1 << n) | ((1 << n) - 1) if torch.is_grad_enabled() else None
     layers._extras = []
     if layers._fwd is not None:
-        _dead_grads.context(layers._usage)  # binds the list to the wrapper running it
+        layers._unit.mode_here()  # decides under the wrapper running it
     if not owner.training:
         return
     obj, name = _holder(owner, layers.rule.source)
@@ -362,11 +379,13 @@ def _leave(owner: nn.Module, args: Any, output: Any) -> None:
     n = len(layers._modules)
     if extras and not fwd & ((1 << n) - 1):
         _make_conditional(extras)
-    held = layers._usage.hold(fwd)
+    held = layers._unit.hold(fwd)
     first = _first_tensor(output)
     if first is not None and first.requires_grad:
         _note_output(first, held)
-        _dead_grads.after_call(layers._usage, first)
+        wiring = layers._unit.wiring
+        if getattr(wiring, "needs_first", False):  # its wrapper was wired during this forward
+            wiring.first_forward_hook(first)
 
 
 _HOOKED = "_maskedbranch_layerdrop_hooks"  # set on an owner once its hooks are registered

@@ -18,7 +18,8 @@ from typing import Any, List, Sequence
 import torch
 from torch import Tensor, nn
 
-from .. import _autograd, _dead_grads, _usage
+from .. import _unit
+from .._route import tie_unrun
 
 NAME = "masked_spec_embed"
 _HOOKED = "_maskedbranch_spec_embed_hooks"
@@ -26,16 +27,19 @@ _units: "weakref.WeakKeyDictionary[nn.Module, ParameterUnit]" = weakref.WeakKeyD
 
 
 class ParameterUnit:
-    """One parameter of a module as a routing unit (the protocol of maskedbranch/_usage.py)."""
+    """One parameter of a module as the owner of a routing unit (maskedbranch/_unit.py) with one
+    group of bare parameters: it."""
 
-    __slots__ = ("module", "name", "_usage", "materialize_grads", "used", "__weakref__")
+    __slots__ = ("module", "name", "_unit", "used", "__weakref__")
 
     def __init__(self, module: nn.Module, name: str, materialize_grads: Any = None):
         self.module = weakref.ref(module)
         self.name = name
-        self._usage = _usage.Usage()
-        self.materialize_grads = materialize_grads
+        self._unit = _unit.RoutingUnit(self, f"{type(module).__name__}.{name}", materialize_grads)
         self.used = True
+
+    def _check_skippable(self) -> None:
+        pass  # a parameter runs no collective
 
     def _parameter(self) -> Any:
         m = self.module()
@@ -44,7 +48,7 @@ class ParameterUnit:
     def _unit_modules(self) -> List[nn.Module]:
         return []  # the owner's other parameters are not this unit's
 
-    def _units(self) -> List[Sequence[Tensor]]:
+    def _unit_groups(self) -> List[Sequence[Tensor]]:
         p = self._parameter()
         return [(p,) if isinstance(p, nn.Parameter) else ()]
 
@@ -92,17 +96,14 @@ def _after(owner: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     p = unit._parameter()
     if p is None or not torch.is_grad_enabled() or not p.requires_grad:
         return None
-    ctx = _dead_grads.context(unit._usage)
-    if ctx.wiring is not None:
-        ctx.wiring.add_functional(unit)
-    unit._usage.record(int(unit.used))
+    mode = unit._unit.mode_here()  # under a wrapper, the unit joins its layout
+    unit._unit.record(int(unit.used))
     if unit.used:
         return None
-    zeros = _dead_grads.tie_policy(unit.materialize_grads, f"{type(owner).__name__}.{NAME}", unit._usage)
     first, put = _first_tensor_of(output)
-    if zeros is None or first is None:
+    if mode.call_ties is None or first is None:  # not tied here (Mode.SKIP), or by the wrapper (Mode.AT_WRAPPER)
         return None
-    return put(_autograd.tie(first, [p], zeros))
+    return put(tie_unrun(first, mode, [p]))
 
 
 def patch_module(owner: nn.Module, materialize_grads: Any) -> bool:
@@ -113,5 +114,7 @@ def patch_module(owner: nn.Module, materialize_grads: Any) -> bool:
         owner.register_forward_pre_hook(_before, with_kwargs=True)
         owner.register_forward_hook(_after, with_kwargs=True)
     owner.__dict__[_HOOKED] = materialize_grads  # (hooked; the setting copies keep)
-    _unit_of(owner).materialize_grads = materialize_grads
+    unit = _unit_of(owner)._unit
+    unit.materialize = materialize_grads
+    unit.forget()
     return True

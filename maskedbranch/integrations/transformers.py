@@ -24,7 +24,7 @@ what the loop needs for a skipped layer (the hidden states it was given) and nev
 layer. Like a MaskedBranch with an int gate, it ties the dropped layer's parameters (and its
 other inputs that need a gradient: a decoder layer's encoder output) into the output in
 distributed jobs, so that each gets a gradient on every rank (undefined under DDP, zeros under
-FSDP2; maskedbranch/_dead_grads.py), and before each optimizer step the gradients of parameters
+FSDP2; maskedbranch/_decide.py), and before each optimizer step the gradients of parameters
 that no rank used are set back to ``None`` (maskedbranch/unused_grads.py; what counts as used:
 maskedbranch/integrations/_layerdrop.py): training equals the unpatched model under
 ``find_unused_parameters=True``, step for step.
@@ -57,7 +57,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
         f"transformers 5's forwards), found {transformers.__version__}"
     )
 
-from .. import _dead_grads
+from .. import _unit
 from . import _spec_embed
 from ._layerdrop import _HOOKED, LayerDropList, _enter, _holder, _leave
 from ._transformers_rules import FAMILIES, REFUSED, RULES, Rule
@@ -151,7 +151,7 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: Optional[
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    materialize_grads = _dead_grads.materialize(materialize_grads)
+    materialize_grads = _unit.materialize(materialize_grads)
     report = PatchReport()
     todo: List[Tuple[str, nn.Module, Rule]] = []
     for name, module in model.named_modules():

@@ -78,7 +78,7 @@ except ImportError as e:  # pragma: no cover - exercised only without timm
         f"(importing timm failed: {e})"
     ) from e
 
-from ... import _dead_grads, _usage
+from ... import _unit
 from . import _blocks, _graph, _trace
 
 __all__ = ["PatchReport", "TESTED_FAMILIES", "patch", "unpatch", "is_patched"]
@@ -213,7 +213,7 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: Any = Tru
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if batch_norm not in ("dense", "kept"):
         raise ValueError(f"batch_norm: expected 'dense' (timm's statistics) or 'kept', got {batch_norm!r}")
-    materialize_grads = _dead_grads.materialize(materialize_grads, allow_auto=False)
+    materialize_grads = _unit.materialize(materialize_grads, allow_auto=False)
     report = PatchReport()
     todo: List[Tuple[str, nn.Module, List[str]]] = []
     for name, owned in _owners(model).items():
@@ -246,12 +246,15 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: Any = Tru
         original = type(block)
         block.__class__ = _blocks.patched_class(original)
         block.__dict__[_blocks.STATE] = _blocks.BlockState(name, slots, materialize_grads, batch_norm)
-        _usage.note_module(block)
+        _unit.note_module(block)
         report.converted[_display(name)] = original.__qualname__
     for m in model.modules():
         state = m.__dict__.get(_blocks.STATE)
         if state is not None:
             state.materialize, state.batch_norm = materialize_grads, batch_norm
+            if state.unit is not None:
+                state.unit.materialize = materialize_grads
+                state.unit.forget()
     return report
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, fx, nn
 
-from ... import _structure, _usage
+from ... import _structure, _unit
 from . import _graph, _slots, _trace
 from ._slots import batch_stats_type, drop_settings, is_drop_path, uses_batch_stats  # noqa: F401 - the package's API
 
@@ -46,6 +46,7 @@ class BlockState:
         self._structure: Optional[Tuple[tuple, Any]] = None  # (children, key)
         self.checked = 0  # the plan whose branches this block last checked for collectives
         self.traced_plan: Optional[Callable] = None  # set while torch.compile traces a call
+        self.unit: Optional[_unit.RoutingUnit] = None  # made at the first call (copies make their own)
 
     def __getstate__(self) -> Dict[str, Any]:
         return {k: self.__dict__[k] for k in ("name", "slots", "materialize", "batch_norm")}
@@ -101,6 +102,8 @@ def _exporting() -> bool:
 class PatchedBlock(_structure.CacheOwner):
     """Placed before timm's class in a converted block's bases."""
 
+    __jit_unused_properties__ = ["_unit"]  # TorchScript compiles timm's forward only
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.__dict__.get(STATE)
         compiling = torch.compiler.is_compiling()
@@ -126,9 +129,30 @@ class PatchedBlock(_structure.CacheOwner):
         finally:
             d.pop("forward", None)
 
+    @property
+    def _unit(self) -> _unit.RoutingUnit:
+        """The block's routing unit (maskedbranch/_unit.py): it decides what its drop paths' ties
+        give (its ``materialize_grads``, zeros or none, under the wrapper running it)."""
+        state = self.__dict__[STATE]
+        unit = state.unit
+        if unit is None or unit.owner() is not self:
+            unit = state.unit = _unit.RoutingUnit(self, state.name or type(self).__name__, state.materialize)
+        return unit
+
+    # The unit's owner: the drop paths' branches are checked per plan (_plan), and no group is
+    # reduced (zeros or none: nothing is reset).
+    def _unit_groups(self) -> List[Sequence[Tensor]]:
+        return []
+
+    def _unit_modules(self) -> List[nn.Module]:
+        return []
+
+    def _check_skippable(self) -> None:
+        pass
+
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
-        _usage.note_module(self)  # found by id while a graph is traced (see _plan_while_tracing)
+        _unit.note_module(self)  # found by id while a graph is traced (see _plan_while_tracing)
 
     def __reduce_ex__(self, protocol: int):
         return _restore, (original_class(type(self)),), self.__getstate__()
@@ -264,7 +288,7 @@ def _plan_while_tracing(block_id: int, spec: tuple) -> int:
     if it is missing and leave it in the block's state (``traced_plan``), which the traced code
     reads next (an attribute read sees this call's effect; a dict the trace read before would
     not). Returns the plan's number."""
-    block = _usage.module_by_id(block_id)
+    block = _unit.module_by_id(block_id)
     state = block.__dict__[STATE]
     number = _plan(block, state, spec, [_meta_value(s) for s in spec])
     state.traced_plan = _BY_NUMBER[number]

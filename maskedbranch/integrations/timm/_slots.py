@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, fx, nn
 
-from ... import _autograd, _dead_grads, _draws, _route, _structure
+from ... import _draws, _route, _structure, _unit
 from ...drop_path import DropPath as _MaskedDropPath
 from ...residual import add_residual
 from . import _graph
@@ -110,14 +110,14 @@ def slot_call(
         materialize = blk.__dict__["_maskedbranch_timm"].materialize
         if residual:
             return add_residual(base, branch, p, True, mode, scale_by_keep, generator, "random", per_row, None,
-                                params, materialize, module=False)
-        return masked(lead, branch, p, mode, scale_by_keep, generator, per_row[1:], params, materialize, output)
+                                params, materialize, module=False, owner=blk)
+        return masked(blk, lead, branch, p, mode, scale_by_keep, generator, per_row[1:], params, output)
 
     call.__name__ = call.__qualname__ = "drop_path_" + dp_path.replace(".", "_")
     return call
 
 
-def masked(x, branch, p, mode, scale_by_keep, generator, rest, params, materialize, output) -> Tensor:
+def masked(blk, x, branch, p, mode, scale_by_keep, generator, rest, params, output) -> Tensor:
     """``drop_path(branch(x, *rest))`` without a residual: the branch runs on the kept rows,
     the dropped rows are zeros (timm's values, and zero gradients for the parameters). The
     draw is the residual forms' (maskedbranch/_draws.py)."""
@@ -129,13 +129,12 @@ def masked(x, branch, p, mode, scale_by_keep, generator, rest, params, materiali
         gate, scale = _draws.traced_routing(mode, x.shape[0], keep, scale_by_keep, output[1])
     else:
         gate, scale = _draws.host_routing_outside_graphs(mode, x.shape[0], keep, scale_by_keep, output[1], generator)
-    zeros = _dead_grads.tie_policy(materialize, "maskedbranch.integrations.timm")
+    tie = _unit.traced_mode(blk) if compiling else blk._unit.mode_here()  # the block's setting: zeros or none
     if not compiling and (gate == -1 if isinstance(gate, int) else not bool((gate >= 0).any())):
         out = torch.zeros((x.shape[0], *output[0]), dtype=output[1], device=x.device)
-        tied = tuple(t for t in (*params, x, *rest) if isinstance(t, Tensor) and t.requires_grad)
-        return _autograd.tie(out, tied, bool(zeros)) if zeros is not None and tied and torch.is_grad_enabled() else out
+        return _route.tie_unrun(out, tie, params, (x, *rest))
     table = _structure.Branches([branch], params=[params])
-    return _route.route(table, x, gate, tuple(rest), {}, zeros=zeros, scale=scale, where="branch")[0]
+    return _route.route(table, x, gate, tuple(rest), {}, mode=tie, scale=scale, where="branch")[0]
 
 
 def check_branches(block: nn.Module, slots: Sequence[_graph.Slot], name: str) -> None:

@@ -1,0 +1,127 @@
+"""The decision table: what the parameters of a routing unit's branches that did not run receive,
+decided once per (unit, data-parallel wrapper) and stored in the unit (maskedbranch/_unit.py).
+
+The *context* of a unit is the wrapper whose forward runs it:
+
+==================  =================  =======  ===========================================
+context             auto (default)     zeros    none
+==================  =================  =======  ===========================================
+LOCAL               SKIP               ZEROS    NONE
+DDP_FIND_UNUSED     SKIP               ZEROS    NONE
+DDP                 AT_WRAPPER         ZEROS    NONE
+DDP_STATIC          AT_WRAPPER_ZEROS   ZEROS    refused: unused forever after step 1
+PYTHON_REDUCER      ALIASES            ALIASES  refused: pairs defined gradients
+FSDP2               ZEROS              ZEROS    NONE (refused at the step)
+EXPLICIT            ZEROS              ZEROS    NONE
+SIMULATED           AT_WRAPPER         ZEROS    NONE
+==================  =================  =======  ===========================================
+
+* LOCAL: one process, or a model that no wrapper runs (a rank-local model in a distributed job):
+  nothing tied, as with if/else. DDP_FIND_UNUSED: DDP's graph walk finds the dead parameters
+  itself and leaves a gradient that no rank produced untouched, as for if/else.
+* DDP (the C++ reducer): the wiring ties the dead parameters once per forward, with no gradient
+  (DDP fills zeros into its buckets); DDP_STATIC learns from the first step which parameters
+  get a hook and needs a defined gradient for them, so the wrapper tie gives zeros.
+* PYTHON_REDUCER (compiled autograd): every rank must accumulate the same parameters in the same
+  order, whatever its branches did (maskedbranch/_route.py, ``_aliases``).
+* FSDP2 reduces only defined gradients; EXPLICIT (a model given to ``unused_grads_to_none``, for
+  hand-written averaging) needs a tensor on every rank: zeros, tied by each call.
+* SIMULATED: ``maskedbranch.doctor``'s ranks in one process see the graph of a DDP job (its
+  simulated wrapper ties as a DDP wiring does, maskedbranch/_wiring.py, ``as_if_under_ddp``).
+
+Under a wrapper (every context but LOCAL, DDP_FIND_UNUSED and SIMULATED) the "auto" units' usage
+is reduced after each forward of the wrapper and the gradients that no rank used are reset to
+``None`` before the step (maskedbranch/_wiring.py), where if/else leaves ``None``.
+
+The context is found once per unit and wrapper: the wrapper that pushed itself on
+``_unit.running`` (every wired wrapper does, while its forward runs) or the DDP whose forward
+runs; else, in a distributed job, a DDP or FSDP2 module whose forward is on the Python stack
+(:func:`wrapper_on_stack`, a look that runs when a unit decides, never per call).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _compat
+from ._unit import Mode
+
+LOCAL, DDP_FIND_UNUSED, DDP, DDP_STATIC, PYTHON_REDUCER, FSDP2, EXPLICIT, SIMULATED = (
+    "local", "ddp-find-unused", "ddp", "ddp-static", "ddp-python-reducer", "fsdp2", "explicit", "simulated")
+
+_REFUSED_STATIC = (
+    "materialize_grads=False under DistributedDataParallel(static_graph=True). static_graph treats a "
+    "parameter whose gradient is undefined in the first step as unused forever, so branches that no rank "
+    "ran then would never be averaged. Use materialize_grads=None (the default, which gives them zeros "
+    "here) or True."
+)
+_REFUSED_PYTHON_REDUCER = (
+    "materialize_grads=False with DDP's Python reducer (torch._dynamo.config.optimize_ddp='python_reducer', "
+    "as compiled autograd needs). It all-reduces only the parameters whose gradient is defined, so ranks "
+    "that ran different branches would pair different parameters. Use materialize_grads=None (the default) "
+    "or True."
+)
+
+# context -> (auto, zeros, none); a string is the refusal's message
+TABLE: Dict[str, Tuple[Any, Any, Any]] = {
+    LOCAL: (Mode.SKIP, Mode.ZEROS, Mode.NONE),
+    DDP_FIND_UNUSED: (Mode.SKIP, Mode.ZEROS, Mode.NONE),
+    DDP: (Mode.AT_WRAPPER, Mode.ZEROS, Mode.NONE),
+    DDP_STATIC: (Mode.AT_WRAPPER_ZEROS, Mode.ZEROS, _REFUSED_STATIC),
+    PYTHON_REDUCER: (Mode.ALIASES, Mode.ALIASES, _REFUSED_PYTHON_REDUCER),
+    FSDP2: (Mode.ZEROS, Mode.ZEROS, Mode.NONE),
+    EXPLICIT: (Mode.ZEROS, Mode.ZEROS, Mode.NONE),
+    SIMULATED: (Mode.AT_WRAPPER, Mode.ZEROS, Mode.NONE),
+}
+REDUCED = frozenset((DDP, DDP_STATIC, PYTHON_REDUCER, FSDP2, EXPLICIT))
+"""Contexts whose wiring reduces the usage of "auto" units and resets what no rank used."""
+
+
+
+
+def context_of(wrapper: nn.Module, explicit_kind: bool) -> str:
+    """The context of a wired wrapper, read from its settings (once per wiring)."""
+    if explicit_kind:
+        return EXPLICIT
+    if isinstance(wrapper, nn.parallel.DistributedDataParallel):
+        if _compat.ddp_uses_python_reducer(wrapper):
+            return PYTHON_REDUCER
+        if getattr(wrapper, "static_graph", False):
+            return DDP_STATIC
+        if getattr(wrapper, "find_unused_parameters", False):
+            return DDP_FIND_UNUSED
+        return DDP
+    return FSDP2
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def fsdp_module_type() -> Optional[type]:
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # only if the user imported FSDP
+    t = getattr(fsdp, "FSDPModule", None)
+    return t if isinstance(t, type) else None
+
+
+_CALL_CODES = frozenset(getattr(nn.Module, n).__code__ for n in ("_call_impl", "_wrapped_call_impl") if hasattr(nn.Module, n))
+
+
+def wrapper_on_stack() -> Optional[nn.Module]:
+    """The outermost DDP or FSDP2 module on the Python stack whose forward is running (a
+    compiled module counts as the module it compiles). Run when a unit decides, not per call."""
+    fsdp = fsdp_module_type()
+    found = None
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code in _CALL_CODES:
+            m = f.f_locals.get("self")
+            m = getattr(m, "_orig_mod", m)
+            if isinstance(m, nn.parallel.DistributedDataParallel) or (fsdp is not None and isinstance(m, fsdp)):
+                found = m
+        f = f.f_back
+    return found

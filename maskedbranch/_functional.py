@@ -1,0 +1,96 @@
+"""Routing units of the functional forms (``masked_branch``, ``drop_add_residual``), which have no
+module of their own: each module branch they run is the owner of a unit of its own (one group:
+the module's parameters), found again by identity. A function branch has no unit (nothing to
+reduce or reset: its ``params=`` are tied per call)."""
+from __future__ import annotations
+
+import weakref
+from typing import Any, List, Optional, Sequence
+
+from torch import Tensor, nn
+
+from ._unit import Mode, RoutingUnit
+
+
+class BranchOwner:
+    """A module branch of a functional call, as the owner of its unit."""
+
+    __slots__ = ("module", "_unit", "__weakref__")
+
+    def __init__(self, module: nn.Module, where: str):
+        self.module = weakref.ref(module)
+        self._unit = RoutingUnit(self, where, None)
+
+    def _unit_groups(self) -> List[Sequence[Tensor]]:
+        m = self.module()
+        return [] if m is None else [tuple(m.parameters())]
+
+    def _unit_modules(self) -> List[nn.Module]:
+        m = self.module()
+        return [] if m is None else [m]
+
+    def _check_skippable(self) -> None:
+        pass  # the functional forms check their branches on every call
+
+
+_owners: "weakref.WeakKeyDictionary[nn.Module, BranchOwner]" = weakref.WeakKeyDictionary()
+
+
+def unit_for(module: nn.Module, where: str) -> RoutingUnit:
+    owner = _owners.get(module)
+    if owner is None:
+        owner = _owners[module] = BranchOwner(module, where)
+    return owner._unit
+
+
+def mode_here(branches: Sequence[Any], where: str) -> Optional[Mode]:
+    """The mode of a functional call with ``materialize_grads="auto"`` (every module branch's
+    unit decides under the same wrapper; None when no branch is a module)."""
+    mode = None
+    for b in branches:
+        if isinstance(b, nn.Module):
+            mode = unit_for(b, where).mode_here()
+    return mode
+
+
+def record(branches: Sequence[Any], ran: Any, where: str) -> None:
+    """Which module branches ran (eager calls; compiled calls keep the zero gradients their
+    graph gives dead module branches: the module forms hold a record compiled graphs write)."""
+    if isinstance(ran, Tensor):
+        return
+    for i, b in enumerate(branches):
+        if isinstance(b, nn.Module):
+            unit_for(b, where).record(ran >> i & 1)
+
+
+def units_in(modules: Sequence[nn.Module]) -> List[RoutingUnit]:
+    """The units of the functional calls' branches among ``modules`` (in their order)."""
+    out = []
+    for m in modules:
+        owner = _owners.get(m)
+        if owner is not None:
+            out.append(owner._unit)
+    return out
+
+
+class _FunctionsOwner:
+    """The owner of the one unit that function branches of the functional forms share (no
+    parameters of its own: it only holds the decision, e.g. DDP's Python reducer)."""
+
+    __slots__ = ("_unit", "__weakref__")
+
+    def __init__(self) -> None:
+        self._unit = RoutingUnit(self, "drop_add_residual", True)
+
+    def _unit_groups(self) -> List[Sequence[Tensor]]:
+        return []
+
+    def _unit_modules(self) -> List[nn.Module]:
+        return []
+
+    def _check_skippable(self) -> None:
+        pass
+
+
+_FUNCTIONS_OWNER = _FunctionsOwner()
+FUNCTIONS = _FUNCTIONS_OWNER._unit

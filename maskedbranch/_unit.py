@@ -1,0 +1,370 @@
+"""A routing module's state, in one object: :class:`RoutingUnit`.
+
+Every routing module (``MaskedBranch``, ``ResidualDropPath``, a LayerDrop list, a patched timm
+block, the record of the functional forms) owns one unit, which holds
+
+* what the parameters of its branches that did not run receive, decided once per data-parallel
+  wrapper it runs under (:class:`Mode`, :meth:`RoutingUnit.mode_here`);
+* its usage record: which of its *groups* (bit i: group i, a branch, a layer) ran since the
+  record was last taken;
+* its branch table and the output signatures of its branches (maskedbranch/_structure.py,
+  maskedbranch/_signatures.py), dropped when its own module changes.
+
+The decision itself belongs to the data-parallel layer (maskedbranch/_wiring.py and
+maskedbranch/_decide.py), which imports this module and plugs its decision function into
+:data:`DATA_PARALLEL` when it is imported; nothing here imports it. Per call, a unit only compares
+the wrapper whose forward runs (:func:`current_wrapper`) with the one it decided for.
+
+Records: ``bits``, a Python int, in eager calls (one ``|=``); ``seen``, a small CPU tensor, in
+compiled graphs (an in-place op is data to torch.compile, where a Python attribute written per
+call would become a guard and recompile whenever the routing changes). ``held`` / ``cond``: the
+groups of a forward that count only if its output is used (a LayerDrop owner's,
+maskedbranch/integrations/_layerdrop.py).
+"""
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from . import _compat
+
+_MIN_SLOTS = 64  # seen's size at least: groups appended later rarely need a new tensor
+
+
+class Mode(enum.IntEnum):
+    """What the parameters of a unit's branches that did not run receive, and where they are tied
+    into the autograd graph (docs/design.md, "The decision table")."""
+
+    SKIP = 0
+    """Not tied: ``.grad`` stays as it was, exactly as with if/else (one process, a model no wrapper
+    runs, DDP with ``find_unused_parameters=True``, whose graph walk finds them itself)."""
+    AT_WRAPPER = 1
+    """Tied once per forward of the wrapper, by its wiring, with no gradient (DDP's C++ reducer,
+    which fills zeros into its buckets): the routed call itself only records what ran."""
+    AT_WRAPPER_ZEROS = 2
+    """As AT_WRAPPER, with zero gradients (DDP ``static_graph``, which needs a defined gradient)."""
+    NONE = 3
+    """Tied by each call, with no gradient (``materialize_grads="none"``)."""
+    ZEROS = 4
+    """Tied by each call, with zero gradients (``materialize_grads="zeros"``, FSDP2, a model given to
+    ``unused_grads_to_none``)."""
+    ALIASES = 5
+    """Each call runs its branches on aliases of all their parameters, made by one node, so that
+    every parameter's gradient (zeros when its branch did not run) leaves the graph at that node,
+    in the same order on every rank (DDP's Python reducer, for compiled autograd)."""
+
+    @property
+    def call_ties(self) -> Optional[bool]:
+        """What a call's own tie gives the dead parameters: None (the call ties nothing), False (no
+        gradient) or True (zeros)."""
+        return _CALL_TIES[self]
+
+    @property
+    def ties_inputs(self) -> bool:
+        """Whether a call where no row reaches any branch ties its inputs (x, the gate's weights)
+        into its output, so that whatever produced them (a router) is reached on every rank."""
+        return self is not Mode.SKIP
+
+
+_CALL_TIES = {Mode.SKIP: None, Mode.AT_WRAPPER: None, Mode.AT_WRAPPER_ZEROS: None,
+              Mode.NONE: False, Mode.ZEROS: True, Mode.ALIASES: True}
+
+
+_SPELLINGS = {"auto": None, "zeros": True, "none": False}
+_NAMES = {None: "auto", True: "zeros", False: "none"}
+
+
+def materialize(value: Any, allow_auto: bool = True) -> Optional[bool]:
+    """``materialize_grads`` as a unit stores it: its spellings ``"auto"`` (None: what the
+    training setting needs, the if/else result), ``"zeros"`` (True: zero gradients) and
+    ``"none"`` (False: no gradient from the routing; a wrapper that needs one, DDP, fills zeros
+    itself), and the values None / True / False they stand for."""
+    if isinstance(value, str) and value in _SPELLINGS:
+        value = _SPELLINGS[value]
+    if (value is None and allow_auto) or isinstance(value, bool):
+        return value
+    allowed = "'auto' (None), 'zeros' (True) or 'none' (False)" if allow_auto else "'zeros' (True) or 'none' (False)"
+    raise TypeError(f"materialize_grads: expected {allowed}, got {value!r}")
+
+
+def materialize_name(value: Optional[bool]) -> str:
+    return _NAMES[value]
+
+
+# ----------------------------------------------------------------------------------------------
+# Which wrapper's forward runs: the wired wrappers push themselves while their forward runs
+# (maskedbranch/_wiring.py); a DDP module that is not wired yet is read from DDP itself.
+
+running: List[Any] = []
+
+
+def current_wrapper() -> Any:
+    return running[-1] if running else _compat.active_ddp()
+
+
+# ----------------------------------------------------------------------------------------------
+# The seam to the data-parallel layer.
+
+
+def _decide_alone(unit: "RoutingUnit", wrapper: Any) -> Mode:
+    """Without the data-parallel layer (never the case once maskedbranch is imported)."""
+    unit.settle(None, 0, (Mode.SKIP, Mode.ZEROS, Mode.NONE))
+    return unit.mode
+
+
+class _DataParallelLayer:
+    """What maskedbranch/_wiring.py plugs in when it is imported: ``decide(unit, wrapper) -> Mode``
+    (decides, wires the wrapper, settles the unit) and ``created(unit)`` (a unit exists: the
+    optimizer step pre-hook and the DDP registration hook are installed)."""
+
+    decide: Callable[["RoutingUnit", Any], Mode] = staticmethod(_decide_alone)
+    created: Callable[["RoutingUnit"], None] = staticmethod(lambda unit: None)
+
+
+DATA_PARALLEL = _DataParallelLayer()
+
+
+# ----------------------------------------------------------------------------------------------
+# The unit.
+
+
+class RoutingUnit:
+    """The state of one routing module (see the module's docstring).
+
+    ``owner``: the routing module, which provides ``_unit_groups()`` (the parameters of each
+    group, bit i: group i), ``_unit_modules()`` (the modules of the groups; none for a group of
+    bare parameters) and ``_check_skippable()`` (raises for branches that run collectives).
+    ``where`` names the module in messages; ``materialize``: its ``materialize_grads`` setting
+    (None: "auto", True: "zeros", False: "none")."""
+
+    __slots__ = (
+        "owner", "where", "materialize",
+        "wrapper_id", "mode", "row", "wiring", "probe", "version",
+        "bits", "called", "cond", "held", "seen", "traced",
+        "table", "signatures", "__weakref__",
+    )
+
+    def __init__(self, owner: Any, where: str, materialize: Optional[bool]):
+        self.owner = weakref.ref(owner)
+        self.where = where
+        self.materialize = materialize
+        self.wrapper_id = 0
+        self.mode: Optional[Mode] = None  # None: not decided (the next call decides)
+        self.row: tuple = ()  # the decided modes for "auto", "zeros", "none" (a str: refused)
+        self.wiring: Any = None  # the wiring of the wrapper decided for (maskedbranch/_wiring.py)
+        self.probe: Optional[Tuple[dict, str, Any]] = None
+        self.version = 0  # advanced by every change of the owner: a wiring's layout of it is stale
+        self.bits = 0
+        self.called = False  # a call ran no group (no row reached a branch): nonzero bits say it otherwise
+        self.cond = 0
+        self.held: Optional[Held] = None
+        self.seen = torch.zeros(_MIN_SLOTS, dtype=torch.uint8)
+        self.traced = False  # set (by compiled code) once a compiled graph may have written seen
+        self.table: Any = None  # the owner's branch table (maskedbranch/_structure.py), or None
+        self.signatures: Any = None  # the branches' output signatures (maskedbranch/_signatures.py)
+        if isinstance(owner, nn.Module):
+            note_module(owner)
+        DATA_PARALLEL.created(self)
+
+    # -- the decision ----------------------------------------------------------------------------
+
+    def mode_here(self) -> Mode:
+        """The mode of this call: the decided one while the call runs under the wrapper decided
+        for, or under none (one process; a call outside the wrapper's forward, such as a
+        checkpoint's recomputation in the backward, keeps the decision of a live wrapper); else
+        decided now. A parameter of the owner replaced since (``fully_shard`` puts its own in)
+        decides again."""
+        w = running[-1] if running else _compat.active_ddp()
+        mode = self.mode
+        if w is None:
+            if mode is not None and (self.wiring is None or self.wiring.alive()):
+                probe = self.probe
+                if probe is None or probe[0].get(probe[1]) is probe[2]:
+                    return mode
+        elif self.wrapper_id == id(w) and mode is not None:
+            return mode
+        return DATA_PARALLEL.decide(self, w)
+
+    def settle(self, wiring: Any, wrapper_id: int, row: tuple) -> None:
+        """Store a decision of the data-parallel layer: ``row``, the modes for each
+        ``materialize_grads`` setting ("auto", "zeros", "none"; a string is a refusal's
+        message), of which the unit's own setting picks one; and what shows a later change."""
+        self.mode = None
+        mode = mode_in(row, self.materialize, self.where)
+        self.wiring, self.wrapper_id, self.row, self.mode = wiring, wrapper_id, row, mode
+        self.probe = _probe_of(self.owner())
+
+    def mode_for(self, materialize: Optional[bool]) -> Mode:
+        """The mode for another setting under the same decision (a functional call's own
+        ``materialize_grads``), after :meth:`mode_here`."""
+        return mode_in(self.row, materialize, self.where)
+
+    def forget(self) -> None:
+        """The owner changed (a branch added or replaced, ``.to()``, ``load_state_dict``, a
+        LayerDrop owner's parameters became a group), or the wrapper decided for is gone: decide
+        again at the next call, with a new branch table; a wiring's layout of the unit is stale."""
+        self.wiring = None
+        self.mode = None
+        self.table = None
+        self.version += 1
+
+    def check_skippable(self) -> None:
+        owner = self.owner()
+        if owner is not None:
+            owner._check_skippable()
+
+    # -- groups ----------------------------------------------------------------------------------
+
+    def groups(self) -> List[Sequence[Tensor]]:
+        owner = self.owner()
+        return [] if owner is None else owner._unit_groups()
+
+    def group_modules(self) -> List[nn.Module]:
+        owner = self.owner()
+        return [] if owner is None else owner._unit_modules()
+
+    # -- the record ------------------------------------------------------------------------------
+
+    def record(self, live_mask: int) -> None:
+        """Eager calls (whatever the grad mode: a reentrant checkpoint's forward runs under
+        no_grad, and its recomputation runs the same branches). The int gate's path writes
+        ``bits`` itself."""
+        self.bits |= live_mask
+        self.called = True
+
+    def record_live(self, live: Tensor) -> None:
+        """Compiled calls: ``live`` is a bool or integer tensor [groups] (nonzero: ran)."""
+        n = live.shape[0]
+        self.seen[:n].bitwise_or_(live.to(torch.uint8))
+        self.traced = True
+
+    def record_traced_mask(self, live_mask: int) -> None:
+        """Compiled calls whose groups are known while tracing (a constant mask)."""
+        i = 0
+        while live_mask:
+            if live_mask & 1:
+                self.seen[i : i + 1].fill_(1)
+            live_mask >>= 1
+            i += 1
+        self.traced = True
+
+    def ensure(self, groups: int) -> None:
+        """Eager: room for ``groups`` in ``seen`` (a module that grew)."""
+        if groups > self.seen.shape[0]:
+            grown = torch.zeros(max(groups, 2 * self.seen.shape[0]), dtype=torch.uint8)
+            grown[: self.seen.shape[0]] = self.seen
+            self.seen = grown
+
+    def hold(self, bits: int) -> "Held":
+        self.settle_held()
+        self.held = Held(bits)
+        return self.held
+
+    def settle_held(self) -> None:
+        held, self.held = self.held, None
+        if held is not None:
+            if held.conditional:
+                self.cond |= held.bits
+            else:
+                self.bits |= held.bits
+
+    def take(self) -> Tuple[int, int, bool]:
+        """(groups that ran, groups that ran only conditionally, whether the owner was called)
+        since the last take; clears them."""
+        self.settle_held()
+        bits, cond, called = self.bits, self.cond, self.called
+        self.bits = self.cond = 0
+        self.called = False
+        if self.traced:
+            seen = self.seen
+            for i in seen.nonzero().flatten().tolist():
+                bits |= 1 << i
+            seen.zero_()
+        return bits, cond & ~bits, called or bool(bits or cond)
+
+    def reset_state(self) -> None:
+        """A copy (``copy.deepcopy``, pickling) starts with a fresh record and no decision."""
+        self.forget()
+        self.probe = None
+        self.bits = self.cond = 0
+        self.called = False
+        self.held = None
+        self.seen = torch.zeros(self.seen.shape[0], dtype=torch.uint8)
+        self.traced = False
+        self.signatures = None
+
+
+class Held:
+    """The groups one forward of a module ran (see :class:`RoutingUnit`)."""
+
+    __slots__ = ("bits", "conditional")
+
+    def __init__(self, bits: int) -> None:
+        self.bits, self.conditional = bits, False
+
+
+def _probe_of(owner: Any) -> Optional[Tuple[dict, str, Any]]:
+    """Where the owner's first parameter is registered, to see it replaced (``fully_shard``,
+    ``setattr``) with one dict lookup per call."""
+    if not isinstance(owner, nn.Module):
+        return None
+    for m in owner.modules():
+        for k, p in m._parameters.items():
+            if p is not None:
+                return m._parameters, k, p
+    return None
+
+
+_MODES = tuple(Mode)
+
+
+def mode_in(row: tuple, materialize: Optional[bool], where: str) -> Mode:
+    entry = row[0 if materialize is None else 1 if materialize else 2]
+    if isinstance(entry, str):
+        raise RuntimeError(f"{where}: {entry}")
+    return entry
+
+
+@torch.compiler.assume_constant_result
+def _mode_while_tracing(key: int, wrapper_key: Optional[int]) -> int:
+    """:meth:`RoutingUnit.mode_here` run for real while torch.compile traces, once per graph
+    (modules are passed by id: torch 2.6 takes only constants here). The wrapper whose forward
+    runs is read in the traced code, so that another wrapper's forward makes another graph. A
+    module copied without its state (torch.export's own copies) was never noted: compiled
+    graphs hold every branch, so only a wrapper's aliases would have needed its decision."""
+    owner = module_by_id(key)
+    return int(Mode.SKIP if owner is None else owner._unit.mode_here())
+
+
+def traced_mode(owner: nn.Module) -> Mode:
+    """The mode of ``owner``'s unit inside a compiled graph: a constant of the graph."""
+    w = current_wrapper()
+    return _MODES[_mode_while_tracing(id(owner), None if w is None else id(w))]
+
+
+def unit_of(m: Any) -> Optional[RoutingUnit]:
+    u = getattr(m, "_unit", None)
+    return u if isinstance(u, RoutingUnit) else None
+
+
+def routing_modules(root: nn.Module) -> List[nn.Module]:
+    """The modules in ``root`` that own a routing unit, in ``modules()`` order (the same on every
+    rank)."""
+    return [m for m in root.modules() if isinstance(getattr(m, "_unit", None), RoutingUnit)]
+
+
+_by_id: "dict[int, weakref.ref]" = {}
+
+
+def note_module(module: Any) -> None:
+    """Findable by id (compiled code hands modules to trace-time functions by id)."""
+    _by_id[id(module)] = weakref.ref(module, lambda ref, key=id(module): _by_id.pop(key, None) if _by_id.get(key) is ref else None)
+
+
+def module_by_id(key: Optional[int]) -> Any:
+    ref = _by_id.get(key) if key is not None else None
+    return None if ref is None else ref()
