@@ -1,15 +1,11 @@
 """examples/demo.py (what `bash scripts/demo.sh` runs): its closing comparison of MaskedBranch with
 if/else + find_unused_parameters=True states the measured ratio and which one was faster,
-whichever way it came out; a short run on two gloo ranks ends with DEMO PASS."""
+whichever way it came out (`bash scripts/demo.sh` runs it end to end; CI does not)."""
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 
 import pytest
-
-import maskedbranch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "examples", "demo.py")
@@ -41,18 +37,3 @@ def test_comparison_close_and_equal():
     assert "MaskedBranch (find_unused_parameters=False) was 1.03x as fast as" in line and "noise" in line
     assert demo.speed_comparison(10.0, 10.0).endswith("equal on this run")
 
-
-def test_demo_runs_and_prints_the_comparison():
-    """Two CPU ranks, a small model: the table, the measured comparison, DEMO PASS."""
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(maskedbranch.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [package_root, os.environ.get("PYTHONPATH", "")] if p),
-               OMP_NUM_THREADS="1")
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", DEMO, "--cpu",
-         "--epochs", "1", "--steps-per-epoch", "4", "--batch-size", "32", "--dim", "16"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=os.path.dirname(DEMO))
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out
-    assert "DEMO PASS" in out, out
-    line = next(l for l in out.splitlines() if l.startswith("step time"))
-    assert re.search(r"(MaskedBranch|\(a\) if/else)[^:]* (was [0-9.]+x as fast as|equal on this run)", line), line
