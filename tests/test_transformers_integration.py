@@ -363,6 +363,7 @@ def _zeros_for_none(grads, like):
     return {k: torch.zeros_like(like[k]) if g is None else g for k, g in grads.items()}
 
 
+@pytest.mark.slow  # the DDP / FSDP2 job
 @pytest.mark.distributed
 @pytest.mark.parametrize("family,how", [
     pytest.param(*s, marks=pytest.mark.skipif(s not in RUN, reason="FSDP2 runs on CPUs from torch 2.7"))
@@ -393,6 +394,7 @@ def test_ddp_patched_equals_reference(ranks, family, how):
     assert all_dropped and some_dropped, "the draws must drop a layer on every rank in some step, on one rank in another"
 
 
+@pytest.mark.slow  # the DDP / FSDP2 job
 @pytest.mark.distributed
 def test_ddp_plain_model_fails_without_find_unused(ranks):
     """The test above can fail: HF's own LayerDrop under find_unused_parameters=False errors or
