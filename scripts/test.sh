@@ -355,7 +355,7 @@ quick_python_ok() {
 }
 
 quick() {
-  local py want=${MASKEDBRANCH_QUICK_ENV:-} t0=$SECONDS t_build t_tests rc
+  local py want=${MASKEDBRANCH_QUICK_ENV:-} t0=$SECONDS t_env t_build t_tests rc
   banner "Quick: in-place CPU build + pytest -m 'not slow'"
   py=$(command -v "$PYTHON" || true)
   if [[ $want != venv && -n $py ]] && quick_python_ok "$py"; then
@@ -368,6 +368,7 @@ quick() {
     py=$VENV_CPU/bin/python
   fi
   (cd / && "$py" -c 'import sys, torch; print(f"-- python {sys.version.split()[0]}, torch {torch.__version__}")')
+  t_env=$((SECONDS - t0))
   local log=$ROOT/build/quick-build.log
   mkdir -p "$ROOT/build"
   note "building the CPU kernels in place (log: $log)"
@@ -375,7 +376,7 @@ quick() {
         --build-temp "$ROOT/build/quick-temp") > "$log" 2>&1; then
     echo "!! build failed; the last lines of $log:"; tail -n 40 "$log"; return 1
   fi
-  t_build=$((SECONDS - t0))
+  t_build=$((SECONDS - t0 - t_env))
   note "build took $t_build s ($(grep -cE '^\[[0-9]+/[0-9]+\] ' "$log") compile/link steps; 0 = nothing changed)"
   local cwd=$ROOT/build/pytest-cwd
   mkdir -p "$cwd"
@@ -386,8 +387,8 @@ quick() {
     --import-mode=append --rootdir "$ROOT" -m "not slow" ${PYTEST_ARGS:-} "$ROOT/tests")
   rc=$?
   [[ $rc -eq 5 ]] && echo "!! pytest collected no tests"
-  t_tests=$((SECONDS - t0 - t_build))
-  banner "Quick: $([[ $rc -eq 0 ]] && echo passed || echo "FAILED (pytest exit $rc)") in $((SECONDS - t0)) s (build $t_build s, tests $t_tests s)"
+  t_tests=$((SECONDS - t0 - t_env - t_build))
+  banner "Quick: $([[ $rc -eq 0 ]] && echo passed || echo "FAILED (pytest exit $rc)") in $((SECONDS - t0)) s (environment $t_env s, build $t_build s, tests $t_tests s)"
   note "the whole matrix, every test included: bash scripts/test.sh --full"
   return $rc
 }
