@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
+import warnings
 from typing import List, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -203,10 +205,65 @@ def _plan_fake(gate, num_branches):
     )
 
 
+class RoutedConvLayoutWarning(UserWarning):
+    """CPU inductor's layout optimization on a graph that routes image-like rows with a
+    data-dependent count (see :func:`_warn_routed_convolutions`)."""
+
+
+def _data_dependent(count) -> bool:
+    """Whether a row count is data-dependent while tracing (an unbacked symbol: no example value)."""
+    if not isinstance(count, torch.SymInt):
+        return False
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return bool(free_unbacked_symbols(count))
+
+
+def _inductor_layout_opt() -> bool:
+    """True while inductor lowers a graph to which it applies its layout optimization (channels_last
+    convolutions). Read from inductor's graph handler; any change there reads False."""
+    virtualized = sys.modules.get("torch._inductor.virtualized")
+    if virtualized is None:
+        return False
+    try:
+        return getattr(virtualized.V.graph, "layout_opt", False) is True
+    except Exception:  # noqa: BLE001 - no graph being lowered, or another inductor
+        return False
+
+
+def _warn_routed_convolutions(x: Tensor, counts) -> None:
+    """Warn, while CPU inductor compiles with its layout optimization, that a convolution on these
+    rows will fail when the compiled step runs.
+
+    The optimization makes every convolution's weight (and usually input) channels_last; PyTorch's
+    fake convolution gives contiguous strides whenever a size has no example value (a
+    data-dependent row count), while the real CPU kernel gives channels_last: inductor then expects
+    the wrong strides and the step fails its own check ("expected size ..., stride ...", which
+    blames a custom op's fake kernel). A routed branch without a convolution is not affected,
+    hence a warning (once per process), not an error. Runs in the fake kernel only, at compile
+    time: the compiled step pays nothing."""
+    if x.dim() not in (4, 5) or x.device.type != "cpu" or not any(_data_dependent(c) for c in counts):
+        return
+    if not _inductor_layout_opt():
+        return
+    warnings.warn(
+        f"maskedbranch: CPU inductor compiles with its layout optimization (channels_last convolutions) "
+        f"a graph that routes rows of shape {(counts[0], *x.shape[1:])}, a data-dependent row count. If a "
+        "branch runs a convolution on them, the compiled step fails inductor's stride check "
+        "(AssertionError: expected size ..., stride ... 'most often comes from a incorrect fake (aka "
+        "meta) kernel for a custom op': the cause is PyTorch's fake convolution, which gives contiguous "
+        "strides for a data-dependent batch). Compile with "
+        'torch.compile(model, options={"layout_optimization": False}) (docs/guides/compile.md).',
+        RoutedConvLayoutWarning,
+        stacklevel=2,
+    )
+
+
 @torch.library.register_fake("maskedbranch::gather")
 def _gather_fake(x, rows, weights, counts):
     _check_devices("x", x, rows=rows, weights=weights)
     fmt = row_format(x)
+    _warn_routed_convolutions(x, counts)
     return [_empty_rows(c, x, fmt) for c in counts]
 
 

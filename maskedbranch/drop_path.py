@@ -107,7 +107,8 @@ def _leaf_call(module: nn.Module, x: Any) -> Any:
 
 class DropPath(nn.Module):
     """Module form of :func:`drop_path`; a drop-in swap for timm's ``DropPath`` (same attributes,
-    repr and results) with torchvision's ``mode="batch"`` as well:
+    repr and results: the repr shows ``drop_prob`` as timm's does, never ``scale_by_keep``, and
+    ``mode`` / ``generator`` only when they are not the default) with torchvision's ``mode="batch"`` as well:
     ``DropPath(drop_prob=0.0, *, scale_by_keep=True, mode="row", generator=None)``.
 
     ``torch.jit.script`` compiles the module itself (as it compiles timm's): the same formula,
@@ -139,10 +140,14 @@ class DropPath(nn.Module):
         return _drop_path(x, check_drop_prob(self.drop_prob), self.training, self.scale_by_keep, check_mode(self.mode), self.generator)
 
     def extra_repr(self) -> str:
+        # timm's repr for every setting timm has (it never shows scale_by_keep); the settings of
+        # our own (mode, generator) only where they are not the default.
         s = f"drop_prob={round(self.drop_prob, 3):0.3f}"
         if self.mode != "row":
             s += f", mode={self.mode}"
-        return s if self.scale_by_keep else s + ", scale_by_keep=False"
+        if self.generator is not None:
+            s += f", generator=torch.Generator({str(self.generator.device)!r})"
+        return s
 
     def __prepare_scriptable__(self) -> nn.Module:
         # The module scripts as it is (a replacement returned here would also take its place in
@@ -194,3 +199,6 @@ class StochasticDepth(DropPath):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(p={self.p}, mode={self.mode})"
+
+    def extra_repr(self) -> str:
+        return ""  # torchvision's module has none (its __repr__ says everything)

@@ -3,8 +3,9 @@
 The test runs must exercise the build installed into the virtual environment, not the source
 tree's maskedbranch/ package (which has no compiled _C, or one from another environment).
 After collection this prints where maskedbranch was imported from and stops the session unless
-it lies in the environment's site-packages and, when MASKEDBRANCH_EXPECT_WITH_CUDA is set,
-was built with (1) or without (0) CUDA kernels.
+it lies in the environment's site-packages (or, when MASKEDBRANCH_EXPECT_FROM names a folder, in
+that folder: the in-place build of `scripts/test.sh --quick`) and, when
+MASKEDBRANCH_EXPECT_WITH_CUDA is set, was built with (1) or without (0) CUDA kernels.
 """
 import os
 import sysconfig
@@ -26,7 +27,11 @@ def pytest_collection_finish(session):
     line = f"maskedbranch from {where} (WITH_CUDA={with_cuda})"
     if reporter is not None:
         reporter.write_line(line)
-    if os.path.dirname(where) not in _site_dirs():
+    expect_from = os.environ.get("MASKEDBRANCH_EXPECT_FROM")
+    if expect_from:
+        if os.path.dirname(where) != os.path.realpath(expect_from):
+            pytest.exit(f"{line}: not the build of {expect_from}", returncode=3)
+    elif os.path.dirname(where) not in _site_dirs():
         pytest.exit(f"{line}: not the installed build (expected it under {sorted(_site_dirs())})", returncode=3)
     want = os.environ.get("MASKEDBRANCH_EXPECT_WITH_CUDA")
     if want is not None and int(want) != with_cuda:

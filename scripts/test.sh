@@ -1,5 +1,16 @@
 #!/usr/bin/env bash
-# The project's test command: sets everything up on a fresh machine, then
+# The project's test command, in two sizes:
+#
+#   bash scripts/test.sh [--quick]    the contributor's loop (the default): builds the CPU kernels
+#                                     in place against the torch of the current Python environment
+#                                     and runs the pytest suite without the tests marked `slow`
+#                                     (a few minutes on 2 cores). With no usable torch there, it
+#                                     creates (or reuses) .venv-cpu with torch 2.13.0 (CPU) and the
+#                                     test packages first. See quick() below.
+#   bash scripts/test.sh --full       what CI runs (.ci/run): sets everything up on a fresh machine,
+#                                     then the parts below, every test included.
+#
+# --full:
 #   (a) builds the extension with its CUDA kernels (CUDA build of torch, .venv-cuda), checks with
 #       cuobjdump that device code for every requested architecture is in it, and runs the whole
 #       pytest suite (on the CPU unless a GPU is visible);
@@ -44,6 +55,18 @@ set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
+
+MODE=
+for arg in "$@"; do
+  case $arg in
+    --quick) MODE=quick ;;
+    --full) MODE=full ;;
+    -h|--help) sed -n '2,/^set -uo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "unknown argument '$arg' (use --quick or --full; pytest options go in PYTEST_ARGS)" >&2; exit 2 ;;
+  esac
+done
+# No argument: --quick, unless MASKEDBRANCH_PARTS names parts of the full run.
+[[ -z $MODE ]] && { [[ -n ${MASKEDBRANCH_PARTS:-} ]] && MODE=full || MODE=quick; }
 
 PARTS=${MASKEDBRANCH_PARTS:-"a b c e d"}
 PYTHON=${PYTHON:-python3}
@@ -316,6 +339,64 @@ prune_after() {
   rm -rf "${VENV_OF[$part]}"
   note "deleted ${VENV_OF[$part]} (no later part uses it); $(free_disk)"
 }
+
+# --quick: the suite less the tests marked `slow` (pyproject.toml registers the marker), on an
+# in-place CPU build (maskedbranch/_C*.so, ignored by git) against the torch of
+#   1. $PYTHON when set, else python3, if it imports torch, setuptools and the test packages
+#      (pytest, hypothesis, numpy, expecttest): your environment, left as it is;
+#   2. otherwise $MASKEDBRANCH_VENV_CPU (default .venv-cpu, the environment of part (c)), created
+#      or reused with torch 2.13.0 (CPU), the test packages and transformers.
+# MASKEDBRANCH_QUICK_ENV=current|venv forces one of the two. pytest runs from an empty folder
+# outside the tree with the repository on PYTHONPATH, and stops unless the package it imports is
+# this tree's (scripts/pytest_check_installed.py). PYTEST_ARGS adds pytest options; to run the
+# slow tests too: PYTEST_ARGS='-m ""'.
+quick_python_ok() {
+  "$1" -c 'import torch, setuptools, pytest, hypothesis, numpy, expecttest' 2>/dev/null
+}
+
+quick() {
+  local py want=${MASKEDBRANCH_QUICK_ENV:-} t0=$SECONDS t_env t_build t_tests rc
+  banner "Quick: in-place CPU build + pytest -m 'not slow'"
+  py=$(command -v "$PYTHON" || true)
+  if [[ $want != venv && -n $py ]] && quick_python_ok "$py"; then
+    note "using $py (it has torch and the test packages)"
+  elif [[ $want == current ]]; then
+    echo "!! $PYTHON lacks one of torch, setuptools, pytest, hypothesis, numpy, expecttest"; return 1
+  else
+    note "no environment with torch and the test packages at '$PYTHON': using $VENV_CPU"
+    ensure_venv "$VENV_CPU" "$TORCH_CPU_SPEC" "${TEST_DEPS[@]}" transformers || return 1
+    py=$VENV_CPU/bin/python
+  fi
+  (cd / && "$py" -c 'import sys, torch; print(f"-- python {sys.version.split()[0]}, torch {torch.__version__}")')
+  t_env=$((SECONDS - t0))
+  local log=$ROOT/build/quick-build.log
+  mkdir -p "$ROOT/build"
+  note "building the CPU kernels in place (log: $log)"
+  if ! (cd "$ROOT" && env FORCE_CUDA=0 MASKEDBRANCH_CPU_ONLY=1 "$py" setup.py build_ext --inplace \
+        --build-temp "$ROOT/build/quick-temp") > "$log" 2>&1; then
+    echo "!! build failed; the last lines of $log:"; tail -n 40 "$log"; return 1
+  fi
+  t_build=$((SECONDS - t0 - t_env))
+  note "build took $t_build s ($(grep -cE '^\[[0-9]+/[0-9]+\] ' "$log") compile/link steps; 0 = nothing changed)"
+  local cwd=$ROOT/build/pytest-cwd
+  mkdir -p "$cwd"
+  note "pytest -m 'not slow' tests (from $cwd)"
+  # shellcheck disable=SC2086
+  (cd "$cwd" && PYTHONPATH="$ROOT/scripts:$ROOT${PYTHONPATH:+:$PYTHONPATH}" MASKEDBRANCH_EXPECT_FROM="$ROOT" \
+    MASKEDBRANCH_EXPECT_WITH_CUDA=0 "$py" -m pytest -q -p no:cacheprovider -p pytest_check_installed \
+    --import-mode=append --rootdir "$ROOT" -m "not slow" ${PYTEST_ARGS:-} "$ROOT/tests")
+  rc=$?
+  [[ $rc -eq 5 ]] && echo "!! pytest collected no tests"
+  t_tests=$((SECONDS - t0 - t_env - t_build))
+  banner "Quick: $([[ $rc -eq 0 ]] && echo passed || echo "FAILED (pytest exit $rc)") in $((SECONDS - t0)) s (environment $t_env s, build $t_build s, tests $t_tests s)"
+  note "the whole matrix, every test included: bash scripts/test.sh --full"
+  return $rc
+}
+
+if [[ $MODE == quick ]]; then
+  quick
+  exit $?
+fi
 
 declare -A STATUS SECS
 ORDER=()

@@ -283,6 +283,7 @@ def test_set_to_none_false_keeps_zero_tensors():
             torch.testing.assert_close(q, p, **TIGHT)
 
 
+@pytest.mark.slow
 def test_supernet_compiles_once_for_every_path():
     """12 x 4 would be the benchmark's; 3 x 3 here, under plain torch.compile with the two
     capture flags set (docs/guides/compile.md). The path is a forward argument: after Dynamo
@@ -372,3 +373,43 @@ def test_compiling_elsewhere_does_not_recompile_routed_frames():
     nn.Linear(D, D)  # a registration anywhere
     model(x)
     assert backend.compiled == before
+
+
+def test_routed_rows_under_cpu_layout_optimization_warn_what_to_set():
+    """CPU inductor's layout optimization breaks convolutions on routed rows (a data-dependent row
+    count: PyTorch's fake convolution then gives contiguous strides, the real one channels_last),
+    and the failure blames a fake kernel. The gather's fake kernel, run while inductor lowers such a
+    graph, names the option to set; not for static counts, 3-D rows, nor without the optimization. (End to end: tests/test_timm_compile.py.)"""
+    import warnings
+
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from maskedbranch import _ops
+
+    class Lowering:  # the one attribute of inductor's graph handler that the check reads
+        def __init__(self, layout_opt):
+            self.layout_opt = layout_opt
+
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env):
+        rows = torch.empty(5, dtype=torch.int64)
+        images = torch.empty(8, 16, 4, 4)
+        tokens = torch.empty(8, 16, 4)
+        count = shape_env.create_unbacked_symint()
+
+        def warned(x, counts, layout_opt):
+            with V.set_graph_handler(Lowering(layout_opt)), warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                out = _ops._gather_fake(x, rows, None, counts)
+            assert out[0].shape[1:] == x.shape[1:]
+            return [w for w in seen if issubclass(w.category, _ops.RoutedConvLayoutWarning)]
+
+        got = warned(images, [count], True)
+        assert len(got) == 1
+        msg = str(got[0].message)
+        assert 'options={"layout_optimization": False}' in msg and "expected size ..., stride ..." in msg
+        assert not warned(images, [count], False)  # the option set: nothing to say
+        assert not warned(images, [5], True)       # a static count: inductor knows the layout
+        assert not warned(tokens, [count], True)   # no 2-D convolution on 3-D rows

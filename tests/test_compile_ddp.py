@@ -18,7 +18,7 @@ import maskedbranch as mb
 
 from harness import results_of, run_ranks, run_scenarios, state_diff, training_state
 
-pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")]
 
 WORLD, N, D, ROWS, STEPS = 2, 3, 6, 8, 8
 

@@ -209,6 +209,7 @@ def ranks():
     return run_ranks(_worker, WORLD, TIMEOUT_S, "the compiled-autograd DDP job")
 
 
+@pytest.mark.slow  # the compiled-autograd DDP job
 @pytest.mark.skipif(not OLD_TORCH, reason="torch >= 2.13 trains (tested below)")
 @pytest.mark.parametrize("name", ["compiled_autograd", "python_reducer_eager_backward"])
 def test_old_torch_refuses_the_python_reducer(ranks, name):
@@ -217,6 +218,7 @@ def test_old_torch_refuses_the_python_reducer(ranks, name):
         assert status == "error" and "needs torch >= 2.13" in value, f"rank {r}: {status}: {value}"
 
 
+@pytest.mark.slow  # the compiled-autograd DDP job
 @pytest.mark.skipif(OLD_TORCH, reason="refused on torch < 2.13 (test_old_torch_refuses_the_python_reducer)")
 @pytest.mark.parametrize("name", ["compiled_autograd", "python_reducer_eager_backward"])
 def test_python_reducer_trains_as_ifelse_with_find_unused_parameters(ranks, name):
@@ -228,6 +230,7 @@ def test_python_reducer_trains_as_ifelse_with_find_unused_parameters(ranks, name
         assert torch.equal(a, b), f"the replicas differ after step {step}"
 
 
+@pytest.mark.slow  # the compiled-autograd DDP job
 def test_ifelse_under_the_python_reducer_is_silently_wrong(ranks):
     """Rank r feeds r + 1 through branch r (2 rows of D): the right averages are branch 0: 2 / 2
     = 1 and branch 1: 4 / 2 = 2; the Python reducer pairs the two live branches instead."""
@@ -235,6 +238,7 @@ def test_ifelse_under_the_python_reducer_is_silently_wrong(ranks):
         assert grads[r] == 3.0 and grads[1 - r] is None, f"rank {r}: {grads}"
 
 
+@pytest.mark.slow  # the compiled-autograd DDP job
 def test_refusals(ranks):
     for res in results_of(ranks, "refusals"):
         # torch's own refusal; torch 2.6 fails with another message there

@@ -99,7 +99,10 @@ def test_deprecated_positional_functional_forms_give_the_keyword_results(mode):
 def test_reprs_show_every_non_default_setting():
     assert repr(mb.DropPath(0.5)) == "DropPath(drop_prob=0.500)"  # timm's repr
     assert repr(mb.DropPath(0.5, mode="batch")) == "DropPath(drop_prob=0.500, mode=batch)"
-    assert repr(mb.DropPath(0.5, mode="batch", scale_by_keep=False)) == "DropPath(drop_prob=0.500, mode=batch, scale_by_keep=False)"
+    # scale_by_keep is timm's setting and timm never shows it; mode and generator are ours
+    assert repr(mb.DropPath(0.5, mode="batch", scale_by_keep=False)) == "DropPath(drop_prob=0.500, mode=batch)"
+    assert repr(mb.DropPath(0.5, scale_by_keep=False)) == "DropPath(drop_prob=0.500)"
+    assert repr(mb.DropPath(0.5, generator=torch.Generator())) == "DropPath(drop_prob=0.500, generator=torch.Generator('cpu'))"
     assert repr(mb.StochasticDepth(0.5, "batch")) == repr(tv_ops.StochasticDepth(0.5, "batch"))
     head = lambda m: repr(m).splitlines()[1].strip()
     assert head(mb.ResidualDropPath(lin(), 0.1)) == "drop_prob=0.100, mode=row"

@@ -41,6 +41,7 @@ import maskedbranch as mb
 from harness import ReferenceResidual, state_diff, training_state
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.distributed,
     pytest.mark.skipif(
         fully_shard is None or not (dist.is_available() and dist.is_gloo_available()),

@@ -27,6 +27,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TIMEOUT_S = 180
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.distributed,
     pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"),
 ]

@@ -167,6 +167,7 @@ def make_steps(backward: bool = True):
 STEP_NAMES = list(make_steps())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", STEP_NAMES)
 def test_no_growth_over_many_calls(name):
     check(name, *measure(make_steps()[name]))
@@ -179,6 +180,7 @@ def _ours(o) -> bool:
     return (getattr(o, "__module__", None) or type(o).__module__ or "").startswith("maskedbranch")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backward", [True, False], ids=["backward", "forward_only"])
 def test_no_reference_cycles(backward):
     """Every call frees its tensors, autograd ctx objects and routing objects by reference
@@ -209,6 +211,7 @@ def test_no_reference_cycles(backward):
         gc.enable()
 
 
+@pytest.mark.slow
 def test_caches_stay_bounded_when_shapes_and_probabilities_vary():
     """Output-signature cache (one entry per input signature) and the keep-scale cache (one per
     drop probability and dtype) are bounded: 10,000 calls with ever new shapes and drop

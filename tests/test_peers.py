@@ -100,11 +100,37 @@ def test_attributes_and_repr_are_timms(p):
     assert ours.drop_prob == theirs.drop_prob and type(ours.drop_prob) is type(theirs.drop_prob)
     assert ours.scale_by_keep == theirs.scale_by_keep
     assert repr(ours) == repr(theirs) and ours.extra_repr() == theirs.extra_repr()
-    # A setting that is not timm's default shows, as torchvision's StochasticDepth shows its mode.
-    assert repr(mb.DropPath(p, scale_by_keep=False)) == repr(timm_layers.DropPath(p, scale_by_keep=False))[:-1] + ", scale_by_keep=False)"
     assert isinstance(mb.DropPath(1).drop_prob, int) and mb.DropPath(1).drop_prob == 1
     # a copied model keeps its values as given
     assert copy.deepcopy(ours).drop_prob == theirs.drop_prob
+
+
+REPR_PROBS = sorted(set([i / 20 for i in range(21)] + [1 / 3, 2 / 3, 0.0005, 0.0015, 0.1234, 0.9995, 0, 1]))
+
+
+@pytest.mark.parametrize("scale_by_keep", [True, False])
+@pytest.mark.parametrize("p", REPR_PROBS)
+def test_repr_equals_timms_for_every_setting(p, scale_by_keep):
+    """timm's DropPath prints ``drop_prob`` alone, whatever ``scale_by_keep`` is; so does ours,
+    alone and inside a model (where nn.Module prints the child's repr)."""
+    ours = mb.DropPath(p, scale_by_keep=scale_by_keep)
+    theirs = timm_layers.DropPath(p, scale_by_keep=scale_by_keep)
+    assert ours.extra_repr() == theirs.extra_repr()
+    assert repr(ours) == repr(theirs)
+    assert repr(nn.Sequential(nn.Identity(), ours)) == repr(nn.Sequential(nn.Identity(), theirs))
+    # mode and generator are ours: shown only when they are not the default
+    assert repr(mb.DropPath(p, scale_by_keep=scale_by_keep, mode="row", generator=None)) == repr(theirs)
+    assert repr(mb.DropPath(p, scale_by_keep=scale_by_keep, mode="batch")) == repr(theirs)[:-1] + ", mode=batch)"
+    with_gen = mb.DropPath(p, scale_by_keep=scale_by_keep, generator=torch.Generator())
+    assert repr(with_gen) == repr(theirs)[:-1] + ", generator=torch.Generator('cpu'))"
+
+
+@pytest.mark.parametrize("mode", ["row", "batch"])
+@pytest.mark.parametrize("p", REPR_PROBS)
+def test_stochastic_depth_repr_equals_torchvisions(p, mode):
+    ours, theirs = mb.StochasticDepth(p, mode), tv_ops.StochasticDepth(p, mode)
+    assert repr(ours) == repr(theirs) and ours.extra_repr() == theirs.extra_repr()
+    assert repr(nn.Sequential(ours)) == repr(nn.Sequential(theirs))
 
 
 def test_numpy_scalars_accepted_like_timm():

@@ -36,6 +36,7 @@ TIMEOUT_S = 300
 RSS_GROWTH_LIMIT = 256 << 10
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.distributed,
     pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"),
     pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc/self/statm (Linux)"),

@@ -8,6 +8,7 @@ models (tests/timm_models.py).
 """
 import copy
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch._dynamo.utils import counters
 
 from timm_models import FAMILIES, freeze_batch_norms, images, pair, run, assert_grads_equal
 
-pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")]
 
 FLAGS_NEEDED = torch.__version__ < "2.13"
 TOL = dict(rtol=1e-9, atol=1e-9)
@@ -96,5 +97,9 @@ def test_patched_convnext_through_inductor():
     # options={"layout_optimization": False}.
     import torch._inductor.config as inductor_config
 
-    with inductor_config.patch(layout_optimization=False):
+    from maskedbranch._ops import RoutedConvLayoutWarning
+
+    with inductor_config.patch(layout_optimization=False), warnings.catch_warnings():
+        warnings.simplefilter("error", RoutedConvLayoutWarning)  # the option set: no warning
         check("convnext", Counting("inductor"), dtype=torch.float32, tol=dict(rtol=1e-3, atol=1e-4), steps=3)
+

@@ -43,7 +43,11 @@ FLOAT32 = {
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-10), torch.float32: dict(rtol=2e-4, atol=2e-5)}
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+# The slowest families (about 4 s or more each on 2 cores) run in the full suite only.
+SLOW = {"mobilenetv3", "fastvit", "efficientnet", "focalnet", "tiny_vit", "maxvit", "convformer"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in FAMILIES])
 def test_family(name):
     dtype = torch.float32 if name in FLOAT32 else torch.float64
     original, patched, report = pair(name, dtype)

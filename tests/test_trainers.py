@@ -27,6 +27,7 @@ from test_launch import free_port, run_all, torchrun
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.distributed,
     pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"),
 ]

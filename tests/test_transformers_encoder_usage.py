@@ -98,6 +98,7 @@ def ranks():
     return harness.run_ranks(_worker, 2, timeout_s=400, what="the encoder-decoder DDP job")
 
 
+@pytest.mark.slow  # the encoder-decoder DDP job
 @pytest.mark.distributed
 @pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -116,6 +117,7 @@ def test_patched_trains_as_hf_with_find_unused(ranks, family, plan):
         assert not any(unread_everywhere)
 
 
+@pytest.mark.slow  # the encoder-decoder DDP job
 @pytest.mark.distributed
 @pytest.mark.skipif(not FSDP2, reason="FSDP2 runs on CPUs from torch 2.7")
 @pytest.mark.parametrize("plan", FSDP2_PLANS)

@@ -148,10 +148,38 @@ def test_generate_unchanged(family):
     assert torch.equal(out, ref.generate(**x, max_new_tokens=6, do_sample=False))
 
 
+def test_unsupported_models_get_the_closest_families_not_every_name():
+    """GPT-2 (no LayerDrop) and Flaubert (a LayerDrop this patch refuses): the reason, then a few
+    families of the same kind by name, and where the whole list is; not the 80 names."""
+    gpt2 = transformers.GPT2Model(transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    flaubert = transformers.FlaubertModel(transformers.FlaubertConfig(vocab_size=32, emb_dim=16, n_layers=1,
+                                                                      n_heads=2, layerdrop=0.1))
+    cases = [(gpt2, "GPT2Model has no module with LayerDrop", "closest to gpt2 (decoder-only language models)",
+              ["BioGptModel", "OPTDecoder", "XGLMModel"]),
+             (flaubert, "<root>: its layers are not modules of one list", "closest to flaubert (encoder-decoder text models)",
+              ["BartEncoder", "MBartEncoder"])]
+    for model, reason, closest, named in cases:
+        with pytest.raises(ValueError) as info:
+            mb_hf.patch(model)
+        msg = str(info.value)
+        assert reason in msg and closest in msg and "maskedbranch.integrations.transformers.SUPPORTED" in msg
+        assert all(name in msg for name in named)
+        listed = [name for name in mb_hf.SUPPORTED if name in msg]
+        assert 1 <= len(listed) <= 8, listed  # a few families' classes, not all of them
+        assert len(msg) < 700 and "Wav2Vec2Encoder" not in msg
+
+
+def test_every_family_has_a_kind():
+    from maskedbranch.integrations._transformers_rules import FAMILIES, KINDS
+
+    kinds = [f for _, families in KINDS.values() for f in families]
+    assert sorted(kinds) == sorted(FAMILIES)
+
+
 def test_refuses_what_it_does_not_know():
     bert = transformers.BertModel(transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
                                                           num_attention_heads=2, intermediate_size=16))
-    with pytest.raises(ValueError, match=r"(?s)BertModel has no module with LayerDrop.*Supported: .*Wav2Vec2Encoder"):
+    with pytest.raises(ValueError, match=r"(?s)BertModel has no module with LayerDrop.*closest to bert.*BartEncoder.*SUPPORTED"):
         mb_hf.patch(bert)
     model, _ = hf_tiny.build("informer")
     with pytest.raises(ValueError, match=r"(?s)encoder: a dropped layer also skips the distilling convolution.*strict=False"):
@@ -335,6 +363,7 @@ def _zeros_for_none(grads, like):
     return {k: torch.zeros_like(like[k]) if g is None else g for k, g in grads.items()}
 
 
+@pytest.mark.slow  # the DDP / FSDP2 job
 @pytest.mark.distributed
 @pytest.mark.parametrize("family,how", [
     pytest.param(*s, marks=pytest.mark.skipif(s not in RUN, reason="FSDP2 runs on CPUs from torch 2.7"))
@@ -365,6 +394,7 @@ def test_ddp_patched_equals_reference(ranks, family, how):
     assert all_dropped and some_dropped, "the draws must drop a layer on every rank in some step, on one rank in another"
 
 
+@pytest.mark.slow  # the DDP / FSDP2 job
 @pytest.mark.distributed
 def test_ddp_plain_model_fails_without_find_unused(ranks):
     """The test above can fail: HF's own LayerDrop under find_unused_parameters=False errors or

@@ -286,6 +286,7 @@ def assert_compiled_autograd_equals_eager(model, x, *args, seed=None, backend="e
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("materialize", [None, True, False])
 def test_compiled_autograd_masked_branch(materialize):
     if materialize is False:
@@ -305,6 +306,7 @@ def test_compiled_autograd_masked_branch(materialize):
     assert torch.count_nonzero(got["arg0"][:, 1]) == 0  # the dead column of the weights gate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("materialize", [None, True, False])
 def test_compiled_autograd_residual_drop_path(materialize):
     if materialize is False:
@@ -318,6 +320,7 @@ def test_compiled_autograd_residual_drop_path(materialize):
     assert (dead is not None and torch.count_nonzero(dead) == 0) if materialize else dead is None
 
 
+@pytest.mark.slow
 def test_compiled_autograd_inductor():
     """One small case through inductor (C++ kernels on a CPU: slow to build): a routed layer
     with a dead branch and a fully dropped residual, dead parameters tied with zeros."""
@@ -336,6 +339,7 @@ def test_compiled_autograd_inductor():
     assert torch.count_nonzero(got["route.2.weight"]) == 0 and torch.count_nonzero(got["block.branch.weight"]) == 0
 
 
+@pytest.mark.slow
 def test_compiled_autograd_config_route():
     """torch._dynamo.config.compiled_autograd with a compiled training step (forward and
     backward in one torch.compile call), the route torch documents for compiled autograd.

@@ -145,3 +145,19 @@ REFUSED: Dict[str, str] = {
 
 # Model names for messages and docs: owner module -> the model family users know.
 FAMILIES: Tuple[str, ...] = tuple(sorted({key.split(".")[2] for key in RULES}))
+
+# The families by the kind of model, the most used first: an unsupported model's error names the
+# closest ones (its own kind, then the most similar names) instead of all of them.
+KINDS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
+    "speech": ("speech and audio encoders", (
+        "wav2vec2", "whisper", "hubert", "wavlm", "wav2vec2_conformer", "wav2vec2_bert", "data2vec", "unispeech",
+        "unispeech_sat", "sew", "speech_to_text", "speecht5", "seamless_m4t", "seamless_m4t_v2", "qwen2_audio",
+        "audioflamingo3", "parakeet", "lasr", "nemotron_asr_streaming", "omniasr")),
+    "seq2seq": ("encoder-decoder text models", (
+        "bart", "mbart", "marian", "m2m_100", "pegasus", "nllb_moe", "plbart", "blenderbot", "blenderbot_small",
+        "bigbird_pegasus", "pegasus_x", "led", "mvp", "fsmt")),
+    "decoder": ("decoder-only language models", ("opt", "xglm", "biogpt", "kosmos2")),
+    "time_series": ("time-series models", ("time_series_transformer", "informer", "autoformer")),
+    "vision": ("vision and document models", ("trocr", "table_transformer", "pp_formulanet")),
+    "text_to_audio": ("text-to-audio models", ("musicgen", "musicgen_melody", "vits")),
+}

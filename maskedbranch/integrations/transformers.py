@@ -36,6 +36,7 @@ DeepSpeed ZeRO-3, where HF runs every layer, is refused while training.
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -60,11 +61,65 @@ if int(transformers.__version__.split(".")[0]) < 5:
 from .. import _unit
 from . import _spec_embed
 from ._layerdrop import _HOOKED, LayerDropList, _enter, _holder, _leave
-from ._transformers_rules import FAMILIES, REFUSED, RULES, Rule
+from ._transformers_rules import FAMILIES, KINDS, REFUSED, RULES, Rule
 
 __all__ = ["LayerDropList", "PatchReport", "SUPPORTED", "is_patched", "patch", "unpatch"]
 
 SUPPORTED: Tuple[str, ...] = tuple(sorted(k.rsplit(".", 1)[1] for k in RULES))
+
+
+# ----------------------------------------------------------------------------------------------
+# The closest supported families, for the errors.
+
+
+def _model_type(model: nn.Module) -> str:
+    """HF's model type ("gpt2", "flaubert", ...), else the class name in lower case."""
+    found = getattr(getattr(model, "config", None), "model_type", None)
+    return (found if isinstance(found, str) and found else type(model).__name__).lower().replace("-", "_")
+
+
+def _kind_of(model: nn.Module, model_type: str) -> Optional[str]:
+    """The key of KINDS the model is closest to, read from its main input and config."""
+    config = getattr(model, "config", None)
+    main = getattr(model, "main_input_name", None)
+    if main in ("input_values", "input_features"):
+        return "speech"
+    if main == "past_values":
+        return "time_series"
+    if main == "pixel_values":
+        return "vision"
+    if main != "input_ids" or config is None:
+        return None
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq"
+    try:  # a text encoder (BERT-like: has a masked-LM head) is closer to the seq2seq encoders
+        from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as masked_lm
+    except ImportError:  # pragma: no cover - a transformers without the mapping
+        masked_lm = {}
+    return "seq2seq" if model_type.replace("_", "-") in masked_lm or model_type in masked_lm else "decoder"
+
+
+def _closest(model: nn.Module, n: int = 4) -> str:
+    """A sentence naming at most ``n`` supported families close to ``model`` (those of its kind,
+    a name like its model type first; then families of other kinds with a name like it), each
+    with its owner classes, and where the full list is."""
+    model_type = _model_type(model)
+    kind = _kind_of(model, model_type)
+    same = KINDS[kind][1] if kind is not None else ()
+    order = [f for _, (_, families) in KINDS.items() for f in families]
+
+    def similar(family: str) -> float:
+        ratio = difflib.SequenceMatcher(None, model_type, family).ratio()
+        return ratio if ratio >= 0.6 else 0.0  # below that, names share letters, not a lineage
+
+    ranked = sorted(FAMILIES, key=lambda f: (-(similar(f) + (1.0 if f in same else 0.0)), order.index(f)))
+    picked = [f for f in ranked if f in same or similar(f) > 0.0][:n] or ranked[:n]
+    owners = {f: [k.rsplit(".", 1)[1] for k in RULES if k.split(".")[2] == f] for f in picked}
+    names = ", ".join(f"{f} ({', '.join(owners[f])})" for f in picked)
+    head = f"Supported families closest to {model_type}"
+    head += f" ({KINDS[kind][0]}): " if kind is not None else ": "
+    return (f"{head}{names}. All {len(SUPPORTED)} supported classes ({len(FAMILIES)} families) are listed "
+            "in maskedbranch.integrations.transformers.SUPPORTED.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,8 +195,8 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: Optional[
     gradients and random draws equal the unpatched model's.
 
     ``strict=True`` (default) refuses, before changing anything, a model with LayerDrop in a
-    module this patch does not know (the error lists them and :data:`SUPPORTED`), and a model
-    with no supported module. ``strict=False`` converts what it can and lists the rest in
+    module this patch does not know (the error lists them, names the closest supported families
+    and points to :data:`SUPPORTED`), and a model with no supported module. ``strict=False`` converts what it can and lists the rest in
     ``report.skipped`` (they keep HF's LayerDrop).
 
     ``materialize_grads``: what a dropped layer's parameters receive, as for
@@ -163,18 +218,18 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: Optional[
             todo.append((name, module, rule))
         elif why is not None or _uses_layerdrop(type(module)):
             report.skipped[name] = why or f"{_key(type(module))} applies LayerDrop in a forward this patch does not know"
-    supported = f"Supported: {', '.join(SUPPORTED)} (the {', '.join(FAMILIES)} models)."
     if strict and report.skipped:
         listing = "\n".join(f"  {n or '<root>'}: {w}" for n, w in report.skipped.items())
         raise ValueError(
             f"maskedbranch.integrations.transformers.patch: these modules apply LayerDrop in a way this "
-            f"patch does not know:\n{listing}\n{supported}\nPass strict=False to convert the supported "
-            "modules and leave these as they are."
+            f"patch does not know:\n{listing}\n{_closest(model)}\nPass strict=False to convert the "
+            "supported modules and leave these as they are."
         )
     if strict and not todo and not report.already:
         raise ValueError(
             f"maskedbranch.integrations.transformers.patch: {type(model).__name__} has no module with "
-            f"LayerDrop that this patch knows. {supported}"
+            "LayerDrop that this patch knows (no module of it reads a LayerDrop probability: there is "
+            f"nothing to convert). {_closest(model)}"
         )
     for name, owner, rule in todo:
         where = f"{type(owner).__name__}.layers"
