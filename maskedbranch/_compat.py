@@ -18,6 +18,10 @@ with a public fallback that the tests exercise (tests/test_compat.py).
 * :func:`ddp_join_active`: whether a DDP module runs inside ``Join`` (uneven inputs), read from
   its ``_join_config``. Fallback: False (a Join then fails in the all-reduce it cannot shadow,
   with gloo's or NCCL's own error, instead of with maskedbranch's message).
+* :func:`inductor_layout_optimization`: whether inductor is lowering a graph with its layout
+  optimization on (channels_last convolutions), read from its graph handler at compile time
+  only. Fallback: False (no warning that a routed convolution will fail inductor's stride check:
+  the failure's own message then stands alone).
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["functorch_active", "tracing", "compiled_autograd_tracing", "active_ddp", "ddp_python_reducer", "ddp_join_active"]
+__all__ = ["functorch_active", "tracing", "compiled_autograd_tracing", "active_ddp", "ddp_python_reducer", "ddp_join_active",
+           "inductor_layout_optimization"]
 
 _functorch_check = getattr(torch._C, "_are_functorch_transforms_active", None)
 
@@ -64,7 +69,8 @@ def compiled_autograd_tracing() -> bool:
 
 _DDP = nn.parallel.DistributedDataParallel
 _HAS_ACTIVE_ATTR = hasattr(_DDP, "_active_ddp_module")
-_force_fallback = {"functorch": False, "ddp": False, "python_reducer": False, "compiled_autograd": False, "join": False}  # set by the tests of the fallbacks
+_force_fallback = {"functorch": False, "ddp": False, "python_reducer": False, "compiled_autograd": False, "join": False,
+                   "inductor": False}  # set by the tests of the fallbacks
 _PYTHON_REDUCER = ("python_reducer", "python_reducer_without_compiled_forward")
 
 
@@ -105,3 +111,15 @@ def ddp_join_active(module) -> bool:
     if config is None or _force_fallback["join"]:
         return False
     return bool(getattr(config, "enable", False))
+
+
+def inductor_layout_optimization() -> bool:
+    """True while inductor lowers a graph to which it applies its layout optimization
+    (channels_last convolutions)."""
+    virtualized = sys.modules.get("torch._inductor.virtualized")
+    if virtualized is None or _force_fallback["inductor"]:
+        return False
+    try:
+        return getattr(virtualized.V.graph, "layout_opt", False) is True
+    except Exception:  # noqa: BLE001 - no graph being lowered, or another inductor
+        return False

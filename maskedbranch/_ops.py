@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
 import warnings
 from typing import List, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
+
+from . import _compat
 
 
 def _load_library() -> None:
@@ -219,18 +220,6 @@ def _data_dependent(count) -> bool:
     return bool(free_unbacked_symbols(count))
 
 
-def _inductor_layout_opt() -> bool:
-    """True while inductor lowers a graph to which it applies its layout optimization (channels_last
-    convolutions). Read from inductor's graph handler; any change there reads False."""
-    virtualized = sys.modules.get("torch._inductor.virtualized")
-    if virtualized is None:
-        return False
-    try:
-        return getattr(virtualized.V.graph, "layout_opt", False) is True
-    except Exception:  # noqa: BLE001 - no graph being lowered, or another inductor
-        return False
-
-
 def _warn_routed_convolutions(x: Tensor, counts) -> None:
     """Warn, while CPU inductor compiles with its layout optimization, that a convolution on these
     rows will fail when the compiled step runs.
@@ -244,7 +233,7 @@ def _warn_routed_convolutions(x: Tensor, counts) -> None:
     time: the compiled step pays nothing."""
     if x.dim() not in (4, 5) or x.device.type != "cpu" or not any(_data_dependent(c) for c in counts):
         return
-    if not _inductor_layout_opt():
+    if not _compat.inductor_layout_optimization():
         return
     warnings.warn(
         f"maskedbranch: CPU inductor compiles with its layout optimization (channels_last convolutions) "

@@ -413,3 +413,10 @@ def test_routed_rows_under_cpu_layout_optimization_warn_what_to_set():
         assert not warned(images, [count], False)  # the option set: nothing to say
         assert not warned(images, [5], True)       # a static count: inductor knows the layout
         assert not warned(tokens, [count], True)   # no 2-D convolution on 3-D rows
+        from maskedbranch import _compat
+
+        _compat._force_fallback["inductor"] = True  # the check reads a private handler: its fallback
+        try:
+            assert not warned(images, [count], True)
+        finally:
+            _compat._force_fallback["inductor"] = False
