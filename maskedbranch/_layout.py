@@ -1,53 +1,65 @@
-"""The bytes a wiring reduces (maskedbranch/_wiring.py): one per parameter of the data-parallel
-wrapper, in its ``named_parameters()`` order (the same on every rank), and the process group
-they are reduced on.
+"""What a wiring reduces (maskedbranch/_wiring.py) and over which process group: for the
+parameters of the data-parallel wrapper, in its ``named_parameters()`` order (the same on every
+rank), which ones this rank's forward used, as bit sets (Python ints, bit k: parameter k).
 
-Codes: 0 a parameter this rank knows no branch of (or outside any branch), 1 a branch's that did
-not run, 2 one whose unit ran only conditionally (an encoder whose output only a decoder that
-dropped every layer tied in: used only if its gradient turns out nonzero, which the step reads),
-3 one that ran, 4 one the model outside the branches uses too (never reset). MAX is an OR that
-gloo and NCCL both have, and a rank that has not seen a functional branch yet (0) cannot outvote
-one that has.
+Per parameter: *grouped* (a parameter of some routing unit's group: a branch, a layer; the only
+ones ever reset), *kept* (also used by the model outside every group: never reset), or neither
+(outside every group). Per forward: *used* (a group of it ran) and *conditional* (its unit ran
+only conditionally: an encoder whose output only a decoder that dropped every layer tied in,
+used only if its gradient turns out nonzero, which the step reads). The two sets of a forward
+travel as ``2 * ceil(n / 8)`` bytes, OR-reduced (``ReduceOp.BOR``) on a CPU group.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
-
-import torch
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ._unit import RoutingUnit
 
-OTHER, UNUSED, COND, USED, KEEP = 0, 1, 2, 3, 4
-_MAX_CACHED_SETS = 1024  # sets of groups that ran, per unit, whose dead parameters are kept
+_MAX_CACHED_SETS = 1024  # sets of groups that ran, per unit, whose bits and dead parameters are kept
+
+
+_BYTE_BITS = [tuple(j for j in range(8) if b >> j & 1) for b in range(256)]
+
+
+def positions(bits: int) -> List[int]:
+    """The set positions of a bit set, ascending (a byte at a time)."""
+    out: List[int] = []
+    if bits:
+        for i, b in enumerate(bits.to_bytes((bits.bit_length() + 7) // 8, "little")):
+            if b:
+                base = 8 * i
+                out.extend(base + j for j in _BYTE_BITS[b])
+    return out
 
 
 class Layout:
-    """The wrapper's parameters as bytes: names in ``named_parameters()`` order, each group's
-    positions (``groups``: (unit, group index, positions)), and the base bytes (no group ran);
-    and, per unit and set of groups that ran, the positions to mark and the parameters to tie
-    (both cached per set: a forward costs a few lookups per unit)."""
+    """The wrapper's parameters: names and objects in ``named_parameters()`` order, each group's
+    positions (``groups``: (unit, group index, positions)), the grouped, kept and other
+    positions; and, per unit and set of groups that ran, the used / conditional bits and the
+    parameters to tie (both cached per set: a forward costs a few lookups per unit)."""
 
     def __init__(self, root: nn.Module, units: List[RoutingUnit]):
         named = list(root.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.size = len(named)
+        self.nbytes = (self.size + 7) // 8
         index = {n: k for k, n in enumerate(self.names)}
         position = {id(p): k for k, (_, p) in enumerate(named)}
         for n, p in root.named_parameters(remove_duplicate=False):
             position.setdefault(id(p), index.get(n, -1))
-        self.base = bytearray(len(named))
         self.groups: List[Tuple[RoutingUnit, int, List[int]]] = []
         self.units = list(dict.fromkeys(units))
         self.unit_set = set(self.units)
         self.versions = [u.version for u in self.units]
         self._tensors: Dict[RoutingUnit, List[Tuple[Tensor, ...]]] = {}
-        self._positions: Dict[RoutingUnit, List[List[int]]] = {}
-        self._marks: Dict[RoutingUnit, Dict[Tuple[int, int], Tuple[Tuple[int, ...], Tuple[int, ...]]]] = {}
+        self._positions: Dict[RoutingUnit, List[int]] = {}  # per group, its bits
+        self._marks: Dict[RoutingUnit, Dict[Tuple[int, int], Tuple[int, int]]] = {}
         self._dead: Dict[RoutingUnit, Dict[int, Tuple[Tensor, ...]]] = {}
-        unit_modules, claimed, owners = set(), set(), {}
+        grouped, claimed, unit_modules, owners = 0, 0, set(), {}
         for u in self.units:
             modules = u.group_modules()
             groups = [tuple(ps) for ps in u.groups()]
@@ -56,61 +68,51 @@ class Layout:
             for i, ps in enumerate(groups):
                 ks = [position[id(p)] for p in ps if position.get(id(p), -1) >= 0]
                 self.groups.append((u, i, ks))
-                self._positions[u].append(ks)
-                for k in ks:
-                    self.base[k] = UNUSED
+                bits = sum(1 << k for k in set(ks))
+                self._positions[u].append(bits)
+                grouped |= bits
                 if not modules:  # a group of bare parameters (its owner's other ones are not in it)
-                    claimed.update(ks)
+                    claimed |= bits
                 for t in ps:
                     owners.setdefault(id(t), set()).add(u)
             unit_modules.update(id(m) for m in modules)
-        for k in _outside(root, unit_modules, position):
-            if self.base[k] == UNUSED and k not in claimed:
-                self.base[k] = KEEP
+        outside = sum(1 << k for k in set(_outside(root, unit_modules, position)))
+        self.grouped = grouped
+        self.kept = grouped & outside & ~claimed
+        self.resettable = grouped & ~self.kept
         self.shared = any(len(us) > 1 for us in owners.values())  # a parameter in two units' groups
-        grouped = sorted({k for _, _, ks in self.groups for k in ks})
-        self.grouped = [(k, self.params[k]) for k in grouped]  # what the backward's start reads
-        self.others = [k for k, b in enumerate(self.base) if b == OTHER]  # outside every group
+        self.grouped_params = [(k, self.params[k]) for k in positions(grouped)]  # what the backward's start reads
+        self.others = [k for k in range(self.size) if not grouped >> k & 1]  # outside every group
 
     def current(self) -> bool:
         """No unit changed since the layout was made (maskedbranch/_unit.py, ``forget``)."""
         return all(u.version == v for u, v in zip(self.units, self.versions))
 
-    def take(self) -> Tuple[bytearray, Dict[RoutingUnit, Tuple[int, int, bool]]]:
-        """This rank's bytes for the forward that just ran, and what each unit ran (the units'
-        records are cleared)."""
-        out = bytearray(self.base)
+    def take(self) -> Tuple[int, int, Dict[RoutingUnit, Tuple[int, int, bool]]]:
+        """(used bits, conditional bits) of the forward that just ran on this rank, and what each
+        unit ran (the units' records are cleared)."""
+        used = cond = 0
         ran = {}
         for u in self.units:
-            bits, cond, _ = ran[u] = u.take()
-            if not bits and not cond:
+            bits, c, _ = ran[u] = u.take()
+            if not bits and not c:
                 continue
             marks = self._marks[u]
-            found = marks.get((bits, cond))
+            found = marks.get((bits, c))
             if found is None:
-                found = self._marked(u, bits, cond)
+                groups = self._positions[u]
+                found = (sum(b for i, b in enumerate(groups) if bits >> i & 1),
+                         sum(b for i, b in enumerate(groups) if c >> i & 1))
                 if len(marks) < _MAX_CACHED_SETS:
-                    marks[(bits, cond)] = found
-            conds, used = found
-            for k in conds:
-                if out[k] < COND:
-                    out[k] = COND
-            for k in used:
-                out[k] = USED
-        return out, ran
-
-    def _marked(self, u: RoutingUnit, bits: int, cond: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-        """(positions that ran conditionally, positions that ran) of unit ``u``, never a
-        position the model uses outside the groups (KEEP stays)."""
-        groups = self._positions[u]
-        used = tuple(k for i, ks in enumerate(groups) if bits >> i & 1 for k in ks if self.base[k] != KEEP)
-        conds = tuple(k for i, ks in enumerate(groups) if cond >> i & 1 for k in ks if self.base[k] != KEEP)
-        return conds, used
+                    marks[(bits, c)] = found
+            used |= found[0]
+            cond |= found[1]
+        return used & self.resettable, cond & self.resettable & ~used, ran
 
     def clear(self) -> None:
         """Forget what the units recorded (calls outside the wrapper's forward)."""
         for u in self.units:
-            if u.bits or u.cond or u.held is not None or u.traced:
+            if u.bits or u.cond or u.called or u.held is not None or u.traced:
                 u.take()
 
     def dead(self, ran: Dict[RoutingUnit, Tuple[int, int, bool]], wiring: Any, modes: tuple) -> List[Tensor]:

@@ -275,7 +275,8 @@ class RoutingUnit:
     def take(self) -> Tuple[int, int, bool]:
         """(groups that ran, groups that ran only conditionally, whether the owner was called)
         since the last take; clears them."""
-        self.settle_held()
+        if self.held is not None:
+            self.settle_held()
         bits, cond, called = self.bits, self.cond, self.called
         self.bits = self.cond = 0
         self.called = False

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import _autograd, _compat, _decide, _unit
-from ._layout import COND, OTHER, UNUSED, Layout, cpu_group, mesh_group, tensors
+from ._layout import Layout, cpu_group, mesh_group, positions, tensors
 from ._unit import Mode, RoutingUnit
 
 _MAX_PENDING = 8  # forwards whose reduction stays unmerged before a backward or step merges them
@@ -146,9 +146,11 @@ class Wiring:
         self.needs_first = False  # made during a forward: that forward is reduced from its backward
         self.tied_per_call = False  # ... and its units tie per call until the next forward decides again
         self._forwards = itertools.count(1)
-        self.pending: List[list] = []  # [work, bytes tensor, forward number, its backward started]
-        self.acc = bytearray()  # per position: the MAX of the merged forwards since its window began
-        self.cleared = bytearray()  # per position: its gradient was seen None since its last step
+        self.pending: List[list] = []  # [work, bytes, forward number, its backward started]
+        # Bit sets over the layout's positions, since each position's window began (its last
+        # step, or its gradient seen cleared): covered by a merged forward, used or used
+        # conditionally on some rank; and whether its gradient was seen None since its last step.
+        self.seen = self.used = self.cond = self.cleared = 0
         self.stepped: Dict[int, Tensor] = {}  # position -> the parameter object its optimizer holds
         self._synced = True  # the last backward synchronized gradients (or none ran yet)
         self._backwards = 0  # backwards started since the last step
@@ -205,9 +207,9 @@ class Wiring:
             units = [m._unit for m in _unit.routing_modules(root) if self.everything or m._unit.materialize is None]
             units += [u for u in self.extra if u.owner() is not None]
             self.layout = Layout(root, units)
-            n = len(self.layout.base)
-            self.acc, self.cleared, self.stepped = bytearray(n), bytearray(n), {}
-            self.pending = [p for p in self.pending if p[1].numel() == n]
+            self.seen = self.used = self.cond = self.cleared = 0
+            self.stepped = {}
+            self.pending = [p for p in self.pending if len(p[1]) == 2 * self.layout.nbytes]
             version[0] += 1  # positions changed: the step hook's per-optimizer lists too
         return self.layout
 
@@ -292,14 +294,17 @@ class Wiring:
                 "branches get zero gradients, nothing is reset and nothing communicates), or give "
                 "every rank the same number of batches."
             )
-        mine, taken = self.layout.take()
-        t = torch.frombuffer(mine, dtype=torch.uint8)
-        if dist.is_available() and dist.is_initialized():
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group(), async_op=True)
+        layout = self.layout
+        used, cond, taken = layout.take()
+        nb = layout.nbytes
+        buf = bytearray(used.to_bytes(nb, "little") + cond.to_bytes(nb, "little"))
+        if dist.is_available() and dist.is_initialized() and nb:
+            t = torch.frombuffer(buf, dtype=torch.uint8)  # reduced in place: buf holds every rank's OR
+            work = dist.all_reduce(t, op=dist.ReduceOp.BOR, group=self._group(), async_op=True)
         else:
             work = None  # one process (an explicit wiring): these bytes are the answer
         number = next(self._forwards)
-        self.pending.append([work, t, number, False])
+        self.pending.append([work, buf, number, False])
         if len(self.pending) > _MAX_PENDING:
             self._merge(lambda entry: entry[3])
         return number, taken
@@ -312,32 +317,37 @@ class Wiring:
             return  # not this wiring's any more, or another output's hook came first
         self._merge(lambda e: e[2] < number)
         if self._synced and self.layout is not None:
-            acc, cleared = self.acc, self.cleared
-            pairs = self.layout.grouped
+            pairs = self.layout.grouped_params
             stepped = self.stepped
             if stepped:
                 pairs = [(k, stepped.get(k, p)) for k, p in pairs]
-            for k in [k for k, p in pairs if p.grad is None]:
-                acc[k] = OTHER  # cleared: what earlier forwards used no longer counts
-                cleared[k] = 1
+            none = [k for k, p in pairs if p.grad is None]
+            bits = self.layout.grouped if len(none) == len(pairs) else sum(1 << k for k in none)
+            # cleared: what earlier forwards used no longer counts
+            self.seen &= ~bits
+            self.used &= ~bits
+            self.cond &= ~bits
+            self.cleared |= bits
         self._synced = sync
         self._backwards += 1
         entry[3] = True
 
     def _merge(self, which) -> None:
-        """Wait for the reductions of the pending forwards ``which`` selects and MAX them in."""
-        n = len(self.acc)
+        """Wait for the reductions of the pending forwards ``which`` selects and OR them in."""
+        layout = self.layout
+        nb = 0 if layout is None else layout.nbytes
         keep = []
-        acc = torch.frombuffer(self.acc, dtype=torch.uint8) if n else None
         for entry in self.pending:
             if not which(entry):
                 keep.append(entry)
                 continue
-            work, t = entry[0], entry[1]
+            work, buf = entry[0], entry[1]
             if work is not None:
                 work.wait()
-            if acc is not None and t.numel() == n:
-                torch.maximum(acc, t, out=acc)
+            if layout is not None and len(buf) == 2 * nb:
+                self.seen |= layout.resettable
+                self.used |= int.from_bytes(buf[:nb], "little")
+                self.cond |= int.from_bytes(buf[nb:], "little")
         self.pending = keep
 
     # -- the step --------------------------------------------------------------------------------
@@ -355,26 +365,24 @@ class Wiring:
         if self._backwards:
             self._check_reduction_finished(plan)
         self._backwards = 0
-        acc, cleared, by_position = self.acc, self.cleared, plan.by_position
-        unused, conds = _candidates(acc, cleared)
+        by_position, mine = plan.by_position, plan.bits
+        window = self.seen & self.cleared & mine
         done = 0
-        for p in [by_position[k] for k in unused if k in by_position]:
+        for k in positions(window & ~self.used & ~self.cond):  # no rank used it: as if/else, no gradient
+            p = by_position[k]
             if p.grad is not None:
                 p.grad = None
                 done += 1
-        for k in conds:  # used only conditionally: a gradient from elsewhere on some rank decides (a rare read)
-            p = by_position.get(k)
-            grad = None if p is None else p.grad
-            if grad is not None and cleared[k] and not bool(getattr(grad, "to_local", lambda: grad)().any()):
-                p.grad = None
+        for k in positions(window & self.cond & ~self.used):  # used only conditionally (a rare read)
+            p = by_position[k]
+            grad = p.grad
+            if grad is not None and not bool(getattr(grad, "to_local", lambda: grad)().any()):
+                p.grad = None  # no gradient reached it from elsewhere on any rank
                 done += 1
-        if plan.everything:
-            acc[:] = bytes(len(acc))
-            cleared[:] = bytes(len(cleared))
-        else:
-            for k in plan.positions:
-                acc[k] = OTHER
-                cleared[k] = 0
+        self.seen &= ~mine
+        self.used &= ~mine
+        self.cond &= ~mine
+        self.cleared &= ~mine
         self.last_reset = done
         return done
 
@@ -404,17 +412,16 @@ class Wiring:
     def step_plan(self, params: Sequence[Tensor]) -> Optional["StepPlan"]:
         """What a step of an optimizer holding ``params`` reads (made when its parameter groups
         or the layout change), or None when it holds none of the wrapper's."""
-        positions = self.positions(params)
-        mine = [(p, k) for p, k in zip(params, positions) if k >= 0]
+        mine = [(p, k) for p, k in zip(params, self.positions_of(params)) if k >= 0]
         if not mine:
             return None
         layout = self.layout
         for p, k in mine:
             if p is not layout.params[k]:
                 self.stepped[k] = p  # (FSDP2's sharded parameter: its optimizer holds another object)
-        return StepPlan(mine, len(layout.base), layout.others)
+        return StepPlan(mine, layout.others)
 
-    def positions(self, params: Sequence[Tensor]) -> List[int]:
+    def positions_of(self, params: Sequence[Tensor]) -> List[int]:
         """Where the wrapper's bytes hold each of ``params`` (-1: not the wrapper's), by name, so
         that parameters swapped since the layout was made (FSDP2 shards) are still found."""
         layout = self._layout()
@@ -436,27 +443,15 @@ class Wiring:
 
 
 class StepPlan:
-    """An optimizer's parameters in one wiring's layout: by position, and those outside every
-    group (the check that DDP could finish its reduction)."""
+    """An optimizer's parameters in one wiring's layout: by position, as a bit set, and those
+    outside every group (the check that DDP could finish its reduction)."""
 
-    __slots__ = ("by_position", "positions", "everything", "others")
+    __slots__ = ("by_position", "bits", "others")
 
-    def __init__(self, mine: List[tuple], size: int, others: Sequence[int]):
+    def __init__(self, mine: List[tuple], others: Sequence[int]):
         self.by_position = {k: p for p, k in mine}
-        self.positions = list(self.by_position)
-        self.everything = len(self.by_position) == size
+        self.bits = sum(1 << k for k in self.by_position)
         self.others = [(k, self.by_position[k]) for k in others if k in self.by_position]
-
-
-def _candidates(acc: bytearray, cleared: bytearray):
-    """(positions unused on every rank and cleared since the step, positions used only
-    conditionally: a read decides)."""
-    if not len(acc):
-        return [], []
-    a = torch.frombuffer(acc, dtype=torch.uint8)
-    unused = ((a == UNUSED) & torch.frombuffer(cleared, dtype=torch.uint8).bool()).nonzero().flatten().tolist()
-    conds = (a == COND).nonzero().flatten().tolist() if COND in acc else []
-    return unused, conds
 
 
 def _forget_units(units) -> None:
