@@ -59,7 +59,7 @@ class Layout:
         self._positions: Dict[RoutingUnit, List[int]] = {}  # per group, its bits
         self._marks: Dict[RoutingUnit, Dict[Tuple[int, int], Tuple[int, int]]] = {}
         self._dead: Dict[RoutingUnit, Dict[int, Tuple[Tensor, ...]]] = {}
-        grouped, claimed, unit_modules, owners = 0, 0, set(), {}
+        grouped, claimed, unit_modules = 0, 0, set()
         for u in self.units:
             modules = u.group_modules()
             groups = [tuple(ps) for ps in u.groups()]
@@ -73,14 +73,11 @@ class Layout:
                 grouped |= bits
                 if not modules:  # a group of bare parameters (its owner's other ones are not in it)
                     claimed |= bits
-                for t in ps:
-                    owners.setdefault(id(t), set()).add(u)
             unit_modules.update(id(m) for m in modules)
         outside = sum(1 << k for k in set(_outside(root, unit_modules, position)))
         self.grouped = grouped
         self.kept = grouped & outside & ~claimed
         self.resettable = grouped & ~self.kept
-        self.shared = any(len(us) > 1 for us in owners.values())  # a parameter in two units' groups
         self.grouped_params = [(k, self.params[k]) for k in positions(grouped)]  # what the backward's start reads
         self.others = [k for k in range(self.size) if not grouped >> k & 1]  # outside every group
 
@@ -116,11 +113,18 @@ class Layout:
                 u.take()
 
     def dead(self, ran: Dict[RoutingUnit, Tuple[int, int, bool]], wiring: Any, modes: tuple) -> List[Tensor]:
-        """The parameters to tie at the wrapper for this forward: those of the groups that did
-        not run, of the units called in it and decided for ``wiring`` in one of ``modes`` (less
-        any that a group that ran shares; compiled units ran every branch in their graph). A unit
-        the forward never called is not tied, as a module never called is not: its branches may
-        have been called directly (``layer[k](x)``), which its record cannot see."""
+        """The parameters the wrapper ties into this forward's outputs: per unit called in it and
+        decided for ``wiring`` in one of ``modes``, those of its groups that did not run (less any
+        that a group that ran shares; compiled units ran every branch in their graph), cached per
+        set of groups that ran. A unit the forward never called is not tied, as a module never
+        called is not: its branches may have been called directly (``layer[k](x)``), which its
+        record cannot see. A parameter in two units' dead groups (nested routing modules) is
+        listed twice and still gets one hook call per backward.
+
+        The tie is made afresh in every forward (one node, an edge per parameter) rather than
+        once per set and reused: a node made steps ago runs last in the backward, where its
+        hooks would make DDP launch its buckets at a rank-dependent point, out of step with a
+        second DDP model's buckets on the same process group (a GAN's generator step)."""
         out: List[Tensor] = []
         for u in self.units:
             if u.wiring is not wiring or u.mode not in modes or u.traced:
@@ -139,8 +143,6 @@ class Layout:
                 if len(cache) < _MAX_CACHED_SETS:
                     cache[live] = found
             out.extend(found)
-        if self.shared and out:  # a parameter of two units' groups once (nested routing modules)
-            out = list({id(p): p for p in out}.values())
         return out
 
 

@@ -461,9 +461,8 @@ def _forget_units(units) -> None:
 
 def _tie_outputs(output: Any, dead: Sequence[Tensor], zeros: bool) -> Any:
     """``output`` with every tensor that requires grad replaced by a copy whose backward also
-    reaches ``dead`` (one node per tensor; the gradients of ``dead`` leave the graph at the
-    first that the backward reaches). Tuples, lists, dicts (HF ModelOutputs) as the model made
-    them."""
+    reaches ``dead`` (one node per tensor; the backward calls each parameter's hook once, from
+    the first it reaches). Tuples, lists, dicts (HF ModelOutputs) as the model made them."""
     if isinstance(output, Tensor):
         return _autograd.tie(output, dead, zeros) if output.requires_grad else output
     if isinstance(output, dict):  # in place: an HF ModelOutput keeps its attributes in step
