@@ -11,8 +11,8 @@ imports it. A wiring acts only through hooks on its own wrapper:
    (calls made since, outside its forward, such as a checkpoint's recomputation, do not count).
    At the first forward it decides for every unit inside.
 2. **After each forward** (a forward hook: every rank runs the wrapper's forward, whatever its
-   branches did), the groups that ran on this rank become one byte per parameter of the wrapper
-   (maskedbranch/_layout.py), one MAX all-reduce of them starts on a CPU process group
+   branches did), the groups that ran on this rank become bit sets over the wrapper's parameters
+   (maskedbranch/_layout.py), one OR all-reduce of them starts on a CPU process group
    (``async_op=True``: nothing waits, no device synchronization under NCCL), and the parameters
    of the DDP units' groups that did not run are tied into the outputs by one autograd node.
 3. **When that forward's backward starts** (a hook on the outputs), a gradient that is ``None``
