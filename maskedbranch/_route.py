@@ -18,7 +18,7 @@ from torch import Tensor
 
 from . import _autograd, _ops
 from ._args import check_per_row_devices, route_args
-from ._signatures import Signatures, _dead_output_signature, _input_key, _mismatch
+from ._signatures import Signatures, _dead_output_signature, _input_key, _mismatch, _mismatch_probed, _probe
 from ._structure import Branches
 from ._unit import Mode
 
@@ -233,7 +233,7 @@ def route(
         a = tuple(v.parts[i] if isinstance(v, _Parts) else v for v in routed_args)
         kw = {k: v.parts[i] if isinstance(v, _Parts) else v for k, v in routed_kwargs.items()}
         live[i] = check_output(_run(table, i, aliases, xs[i], a, kw), f"{where}[{i}]", c)
-    _check_agreement(live, x, args, kwargs, None if compiling else signatures, where)
+    _check_agreement(table, live, x, args, kwargs, None if compiling else signatures, where)
     first = next(iter(live.values()))
     ys = [live[i] if i in live else first.new_empty((0, *first.shape[1:])) for i in range(n)]
     if len({y.dtype for y in ys} | ({base.dtype} if base is not None else set())) > 1:
@@ -376,14 +376,32 @@ class _Parts:
         self.parts = parts
 
 
-def _check_agreement(live: Dict[int, Tensor], x, args, kwargs, signatures: Optional[Signatures], where: str) -> None:
+def _check_agreement(table, live: Dict[int, Tensor], x, args, kwargs, signatures: Optional[Signatures], where: str) -> None:
+    """A tensor gate combines the branches' rows: they must agree on trailing shape and dtype.
+    The live ones are compared on every call; at the first call with inputs like these, the
+    others too, on meta tensors (a branch that cannot run there is compared when it runs), so that
+    a rarely chosen branch that disagrees fails at once, not hours into a job."""
     items = iter(live.items())
     i0, y0 = next(items)
     for i, y in items:
         if y.shape[1:] != y0.shape[1:] or y.dtype != y0.dtype:
             raise _mismatch(f"{where}[{i}]", y, f"{where}[{i0}]", (tuple(y0.shape[1:]), y0.dtype, i0))
     if signatures is not None:
-        signatures.learn(_input_key(x, args, kwargs), y0, i0, f"{where}[{i0}]")
+        _learn(table, live, i0, y0, x, args, kwargs, signatures, where)
+
+
+def _learn(table, live, i0: int, y0: Tensor, x, args, kwargs, signatures: Signatures, where: str) -> None:
+    """Remember the output's signature for inputs like these; at the first call with them, check
+    the branches that did not run on meta tensors (see :func:`_check_agreement`)."""
+    key = _input_key(x, args, kwargs)
+    if key not in signatures.table:
+        want = (tuple(y0.shape[1:]), y0.dtype)
+        for i, branch in enumerate(table.branches):
+            if i not in live:
+                sig = _probe(branch, x, args, kwargs)
+                if sig is not None and sig != want:
+                    raise _mismatch_probed(f"{where}[{i}]", sig, f"{where}[{i0}]", (*want, i0))
+    signatures.learn(key, y0, i0, f"{where}[{i0}]")
 
 
 def _one_branch(table, x, k, args, kwargs, mode: Mode, base, scale, where, signatures=None) -> Tensor:
@@ -396,7 +414,7 @@ def _one_branch(table, x, k, args, kwargs, mode: Mode, base, scale, where, signa
     if signatures is not None or base is not None or scale != 1.0 or tied:
         y = check_output(y, label, x.shape[0])
         if signatures is not None:
-            signatures.learn(_input_key(x, args, kwargs), y, k, label)
+            _learn(table, (k,), k, y, x, args, kwargs, signatures, where)
     if base is not None:
         if y.dtype != base.dtype:
             dtype = torch.promote_types(y.dtype, base.dtype)

@@ -61,6 +61,15 @@ def _mismatch(label: str, y: Tensor, other: str, ref: Tuple[tuple, torch.dtype, 
     )
 
 
+def _mismatch_probed(label: str, sig: Tuple[tuple, torch.dtype], other: str, ref: Tuple[tuple, torch.dtype, Any]) -> ValueError:
+    return ValueError(
+        f"{label} would return rows of shape {list(sig[0])} and dtype {sig[1]} (checked on meta tensors at the "
+        f"first call with inputs like these), {other} returns rows of shape {list(ref[0])} and dtype {ref[1]}; "
+        "with a tensor gate every branch must return the same trailing shape and dtype (an int gate returns "
+        "what its branch returns, as if/else does)"
+    )
+
+
 def _probe(branch: Callable, x: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[tuple, torch.dtype]]:
     """(trailing shape, dtype) of ``branch``'s output, with no effect on parameters, buffers or
     random state: on meta tensors (no compute); under autocast, which does not apply to meta

@@ -302,6 +302,19 @@ def test_branches_disagreeing():
     m = MaskedBranch([nn.Linear(D_IN, 3).double(), nn.Linear(D_IN, 4).double()])
     with pytest.raises(ValueError, match=r"branches\[1\] returns rows of shape \[4\].*branches\[0\] rows of shape \[3\].*same trailing shape"):
         m(x, half)
+    with pytest.raises(ValueError, match=r"branches\[1\] would return rows of shape \[4\].*first call with inputs like these"):
+        m(x, torch.zeros(B, dtype=torch.long))  # no row reaches branch 1: checked on meta tensors
+
+    class NoMeta(nn.Module):  # cannot run on meta tensors: compared when it first runs
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D_IN, 4).double()
+
+        def forward(self, x):
+            assert x.device.type != "meta"
+            return self.lin(x)
+
+    m = MaskedBranch([nn.Linear(D_IN, 3).double(), NoMeta()])
     m(x, torch.zeros(B, dtype=torch.long))  # in calls of their own, learned per input signature
     with pytest.raises(ValueError, match=r"branches\[1\].*branches\[0\] \(in an earlier call with inputs like these\)"):
         m(x, torch.ones(B, dtype=torch.long))
@@ -427,3 +440,19 @@ def test_cuda_matches_cpu_and_syncs():
             m(x, gate).sum().backward()  # int and host gates: no synchronization at all
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_tensor_gate_checks_every_branch_at_the_first_call():
+    """A branch that disagrees on the output's trailing shape or dtype fails at the first call
+    with a tensor gate, though no row reaches it (checked on meta tensors), not hours later when
+    a row first does; the module keeps working for the int gate, which returns what its branch
+    returns."""
+    m = MaskedBranch([nn.Linear(3, 4), nn.Linear(3, 4), nn.Linear(3, 5)])
+    x = torch.randn(B, 3)
+    for gate in (torch.tensor([0, 1] * (B // 2)), torch.zeros(B, 3, dtype=torch.bool).index_fill_(1, torch.tensor([0]), True)):
+        with pytest.raises(ValueError, match=r"branches\[2\] would return rows of shape \[5\].*branches\[0\] returns rows of shape \[4\]"):
+            m(x, gate)
+    assert m(x, 2).shape == (B, 5) and m(x, 0).shape == (B, 4)
+    half = MaskedBranch([nn.Linear(3, 4), nn.Linear(3, 4).double()])
+    with pytest.raises(ValueError, match=r"branches\[1\] would return rows of shape \[4\] and dtype torch.float64"):
+        half(x, torch.zeros(B, dtype=torch.long))
