@@ -163,17 +163,15 @@ cpu_groups: Dict[Any, Any] = {}
 
 
 def cpu_group(group: Any) -> Any:
-    """A gloo group over ``group``'s ranks for the usage bytes, made once per group (only its
-    ranks take part: ``use_local_synchronization``), so that they never wait on a device, never
-    interleave with the wrapper's own collectives, and a missing one fails loudly."""
+    """A gloo group of its own over ``group``'s ranks for the usage bits, made once per group
+    (only its ranks take part: ``use_local_synchronization``), so that they never wait on a
+    device and never queue behind the wrapper's own collectives: on the wrapper's own gloo group
+    the asynchronous launch waited for them (measured: 2-2.5 ms a forward on 2 ranks, against
+    about 0.15 ms on a group of its own)."""
     group = dist.group.WORLD if group is None else group
     found = cpu_groups.get(group)
     if found is None:
-        backend = str(dist.get_backend(group)).lower()
-        if backend == "gloo":
-            found = group
-        else:
-            found = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+        found = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
         cpu_groups[group] = found
     return found
 

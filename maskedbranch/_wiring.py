@@ -164,7 +164,6 @@ class Wiring:
     def alive(self) -> bool:
         return self.ref() is not None
 
-
     def root(self) -> Optional[nn.Module]:
         w = self.ref()
         return None if w is None else _root_of(w)

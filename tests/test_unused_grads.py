@@ -234,15 +234,19 @@ def test_remove_and_bad_inputs():
 
 
 def test_usage_reduces_on_a_cpu_group(tmp_path):
-    """The bytes go to a gloo group: the wrapper's own when it is gloo (no extra group, no device
-    in the loop), a new one beside NCCL (tests/test_unused_grads.py's GPU case runs it)."""
+    """The bits go to a gloo group of their own over the wrapper's ranks, made once per group (no
+    device in the loop, never queued behind the wrapper's own collectives), beside NCCL too
+    (tests/test_unused_grads.py's GPU case runs it)."""
     from maskedbranch import _layout
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
-        assert _layout.cpu_group(None) is dist.group.WORLD
+        world = _layout.cpu_group(None)
+        assert world is not dist.group.WORLD and dist.get_backend(world) == "gloo"
+        assert _layout.cpu_group(None) is world  # made once
         group = dist.new_group(backend="gloo")
-        assert _layout.cpu_group(group) is group
+        own = _layout.cpu_group(group)
+        assert own is not group and own is not world and dist.get_process_group_ranks(own) == [0]
     finally:
         dist.destroy_process_group()
         _layout.cpu_groups.clear()
