@@ -57,13 +57,12 @@ class Layout:
         self.versions = [u.version for u in self.units]
         self._tensors: Dict[RoutingUnit, List[Tuple[Tensor, ...]]] = {}
         self._positions: Dict[RoutingUnit, List[int]] = {}  # per group, its bits
-        self._marks: Dict[RoutingUnit, Dict[Tuple[int, int], Tuple[int, int]]] = {}
-        self._dead: Dict[RoutingUnit, Dict[int, Tuple[Tensor, ...]]] = {}
+        self._entries: Dict[RoutingUnit, Dict[Tuple[int, int], Tuple[int, int, Tuple[Tensor, ...]]]] = {}
         grouped, claimed, unit_modules = 0, 0, set()
         for u in self.units:
             modules = u.group_modules()
             groups = [tuple(ps) for ps in u.groups()]
-            self._tensors[u], self._marks[u], self._dead[u] = groups, {}, {}
+            self._tensors[u], self._entries[u] = groups, {}
             self._positions[u] = []
             for i, ps in enumerate(groups):
                 ks = [position[id(p)] for p in ps if position.get(id(p), -1) >= 0]
@@ -85,65 +84,59 @@ class Layout:
         """No unit changed since the layout was made (maskedbranch/_unit.py, ``forget``)."""
         return all(u.version == v for u, v in zip(self.units, self.versions))
 
-    def take(self) -> Tuple[int, int, Dict[RoutingUnit, Tuple[int, int, bool]]]:
-        """(used bits, conditional bits) of the forward that just ran on this rank, and what each
-        unit ran (the units' records are cleared)."""
+    def take(self, wiring: Any, modes: tuple, keep_records: bool = False) -> Tuple[int, int, List[Tensor]]:
+        """What the forward that just ran on this rank used: (used bits, conditional bits), and
+        the parameters the wrapper ties into its outputs. The units' records are cleared (unless
+        ``keep_records``: the doctor reads them afterwards).
+
+        The parameters to tie: per unit called in the forward and decided for ``wiring`` in one
+        of ``modes``, those of its groups that did not run (less any that a group that ran
+        shares; compiled units ran every branch in their graph). A unit the forward never called
+        is not tied, as a module never called is not: its branches may have been called directly
+        (``layer[k](x)``), which its record cannot see. A parameter in two units' dead groups
+        (nested routing modules) is listed twice and still gets one hook call per backward. Both
+        are cached per unit and set of groups that ran: a forward costs a few lookups per unit.
+
+        The tie is made afresh in every forward (one node, an edge per parameter) rather than
+        once per set and reused: a node made steps ago runs last in the backward, where its
+        hooks would make DDP launch its buckets at a rank-dependent point, out of step with a
+        second DDP model's buckets on the same process group (a GAN's generator step)."""
         used = cond = 0
-        ran = {}
+        dead: List[Tensor] = []
         for u in self.units:
-            bits, c, _ = ran[u] = u.take()
-            if not bits and not c:
+            if keep_records:
+                u.settle_held()
+                bits, c, called = u.bits, u.cond & ~u.bits, u.called or bool(u.bits or u.cond)
+            else:
+                bits, c, called = u.take()
+            if not called:
                 continue
-            marks = self._marks[u]
-            found = marks.get((bits, c))
-            if found is None:
-                groups = self._positions[u]
-                found = (sum(b for i, b in enumerate(groups) if bits >> i & 1),
-                         sum(b for i, b in enumerate(groups) if c >> i & 1))
-                if len(marks) < _MAX_CACHED_SETS:
-                    marks[(bits, c)] = found
-            used |= found[0]
-            cond |= found[1]
-        return used & self.resettable, cond & self.resettable & ~used, ran
+            entries = self._entries[u]
+            entry = entries.get((bits, c))
+            if entry is None:
+                entry = self._entry(u, bits, c)
+                if len(entries) < _MAX_CACHED_SETS:
+                    entries[(bits, c)] = entry
+            used |= entry[0]
+            cond |= entry[1]
+            if entry[2] and u.wiring is wiring and u.mode in modes and not u.traced:
+                dead.extend(entry[2])
+        return used & self.resettable, cond & self.resettable & ~used, dead
+
+    def _entry(self, u: RoutingUnit, bits: int, cond: int) -> Tuple[int, int, Tuple[Tensor, ...]]:
+        positions, groups = self._positions[u], self._tensors[u]
+        live = bits | cond
+        used = {id(p) for i, ps in enumerate(groups) if live >> i & 1 for p in ps}
+        dead = tuple({id(p): p for i, ps in enumerate(groups) if not live >> i & 1
+                      for p in ps if id(p) not in used and p.requires_grad}.values())
+        return (sum(b for i, b in enumerate(positions) if bits >> i & 1),
+                sum(b for i, b in enumerate(positions) if cond >> i & 1), dead)
 
     def clear(self) -> None:
         """Forget what the units recorded (calls outside the wrapper's forward)."""
         for u in self.units:
             if u.bits or u.cond or u.called or u.held is not None or u.traced:
                 u.take()
-
-    def dead(self, ran: Dict[RoutingUnit, Tuple[int, int, bool]], wiring: Any, modes: tuple) -> List[Tensor]:
-        """The parameters the wrapper ties into this forward's outputs: per unit called in it and
-        decided for ``wiring`` in one of ``modes``, those of its groups that did not run (less any
-        that a group that ran shares; compiled units ran every branch in their graph), cached per
-        set of groups that ran. A unit the forward never called is not tied, as a module never
-        called is not: its branches may have been called directly (``layer[k](x)``), which its
-        record cannot see. A parameter in two units' dead groups (nested routing modules) is
-        listed twice and still gets one hook call per backward.
-
-        The tie is made afresh in every forward (one node, an edge per parameter) rather than
-        once per set and reused: a node made steps ago runs last in the backward, where its
-        hooks would make DDP launch its buckets at a rank-dependent point, out of step with a
-        second DDP model's buckets on the same process group (a GAN's generator step)."""
-        out: List[Tensor] = []
-        for u in self.units:
-            if u.wiring is not wiring or u.mode not in modes or u.traced:
-                continue
-            bits, cond, called = ran.get(u, (0, 0, False))
-            if not called:
-                continue
-            live = bits | cond
-            cache = self._dead[u]
-            found = cache.get(live)
-            if found is None:
-                groups = self._tensors[u]
-                used = {id(p) for i, ps in enumerate(groups) if live >> i & 1 for p in ps}
-                found = tuple({id(p): p for i, ps in enumerate(groups) if not live >> i & 1
-                               for p in ps if id(p) not in used and p.requires_grad}.values())
-                if len(cache) < _MAX_CACHED_SETS:
-                    cache[live] = found
-            out.extend(found)
-        return out
 
 
 def _outside(root: nn.Module, unit_modules: set, position: Dict[int, int]) -> List[int]:

@@ -244,8 +244,7 @@ class Wiring:
         layout = self._layout()
         if layout is None or not layout.units:
             return None
-        number, taken = self._launch()
-        dead = layout.dead(taken, self, _AT_WRAPPER)
+        number, dead = self._launch()
         if dead:
             if not tensors(output):
                 raise RuntimeError(
@@ -294,7 +293,7 @@ class Wiring:
                 "every rank the same number of batches."
             )
         layout = self.layout
-        used, cond, taken = layout.take()
+        used, cond, dead = layout.take(self, _AT_WRAPPER)
         nb = layout.nbytes
         buf = bytearray(used.to_bytes(nb, "little") + cond.to_bytes(nb, "little"))
         if dist.is_available() and dist.is_initialized() and nb:
@@ -306,7 +305,7 @@ class Wiring:
         self.pending.append([work, buf, number, False])
         if len(self.pending) > _MAX_PENDING:
             self._merge(lambda entry: entry[3])
-        return number, taken
+        return number, dead
 
     # -- backward start --------------------------------------------------------------------------
 
@@ -529,11 +528,7 @@ class Simulated:
         units = [u for u in units if u.mode in _AT_WRAPPER]
         if not units:
             return output
-        ran = {}
-        for u in units:
-            u.settle_held()
-            ran[u] = (u.bits, u.cond, u.called or bool(u.bits or u.cond))
-        dead = Layout(self.root, units).dead(ran, self, _AT_WRAPPER)
+        dead = Layout(self.root, units).take(self, _AT_WRAPPER, keep_records=True)[2]
         return _tie_outputs(output, dead, False) if dead else output
 
 
