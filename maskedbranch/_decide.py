@@ -43,7 +43,6 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 from torch import nn
 

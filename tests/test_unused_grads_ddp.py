@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import maskedbranch as mb
 from maskedbranch import MaskedBranch, unused_grads_to_none
 
 from harness import results_of, run_ranks, run_scenarios, state_diff, training_state
