@@ -39,7 +39,11 @@ _ORDER = torch.zeros(1, dtype=torch.int64)
 def traced_routing(mode: str, batch: Any, keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Tuple[Tensor, Any]:
     """:func:`host_routing` inside a compiled graph: the gate as a tensor [B] (0 kept, -1
     dropped, for the batch in "batch" mode) and the factor as a 0-d tensor (or 1.0)."""
-    keep = torch.ops.maskedbranch.keep_draw(_ORDER, batch if mode == "row" else 1, keep_prob)
+    # The rate as a float64 tensor, made by a multiplication (which torch.compile keeps symbolic
+    # when the rate is a symbolic float; torch.full((), rate) specializes it): a `float`
+    # argument of the op was specialized and then served stale by the compile caches.
+    rate = torch.ones((), dtype=torch.float64).mul_(keep_prob)
+    keep = torch.ops.maskedbranch.keep_draw(_ORDER, batch if mode == "row" else 1, rate)
     gate = keep.to(torch.int64).sub_(1)
     if mode != "row":
         gate = gate.expand(batch)

@@ -420,3 +420,58 @@ def test_routed_rows_under_cpu_layout_optimization_warn_what_to_set():
             assert not warned(images, [count], True)
         finally:
             _compat._force_fallback["inductor"] = False
+
+
+# ----------------------------------------------------------------------------------------------
+# Drop rates that change between calls: the rate is data of the graph, never a constant of it.
+
+
+def test_drop_rate_schedule_adds_no_graph():
+    """A schedule changes every block's rate each step: after the first change Dynamo makes the
+    rate symbolic and the same graph serves every later rate (the rate reaches the draw as a
+    tensor; as a ``float`` argument of the op it was specialized, one graph per rate)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[mb.ResidualDropPath(mlp(), 0.1 * (i + 1)) for i in range(3)]).train()
+    twin = copy.deepcopy(model)
+
+    def calls(step):
+        for m in (model, twin):
+            for i, block in enumerate(m):
+                block.drop_prob = 0.05 * (i + 1) + 0.01 * step
+        return ()
+
+    backend = Counting()
+    compiled = torch.compile(twin, backend=backend, fullgraph=True)
+    x = torch.randn(B, D)
+    graphs = []
+    for step in range(6):
+        calls(step)
+        want = run(model, x, seed=step, params=list(model.named_parameters()))
+        got = run(compiled, x, seed=step, params=list(twin.named_parameters()))
+        torch.testing.assert_close(got[0], want[0], **TIGHT)
+        assert_same_grads(got[1], want[1], none_is_zero=True, **TIGHT)
+        graphs.append(backend.compiled)
+    assert graphs[1] == graphs[-1] <= 2, graphs
+
+
+@INDUCTOR
+@pytest.mark.slow
+def test_inductor_draws_with_each_calls_rate():
+    """The rate as a frame argument (a function compiled once and called with several rates):
+    Dynamo makes it a symbolic float at its second value. Given to the draw as a ``float``, it was
+    specialized while tracing and inductor's compile caches served the code of one rate to the
+    frames compiled for the others: compiled draws differed from eager's at the same seed."""
+    torch.manual_seed(0)
+    lin = nn.Linear(D, D)
+    x = torch.randn(256, D)
+
+    def step(x, p):
+        return mb.drop_add_residual(x, lin, p, True)
+
+    compiled = torch.compile(step, backend="inductor")
+    for i, p in enumerate((0.1, 0.2, 0.3, 0.4)):
+        torch.manual_seed(i)
+        want = step(x, p)
+        torch.manual_seed(i)
+        got = compiled(x, p)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"rate {p}")

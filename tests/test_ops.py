@@ -7,6 +7,7 @@ import torch
 
 import maskedbranch as mb
 from harness import GATE_KINDS, TOL, intra_op_threads, random_gate
+from maskedbranch import _draws
 from maskedbranch import functional as F
 from maskedbranch import reference as ref
 
@@ -332,3 +333,36 @@ def test_opcheck(device, gen, kind, n):
         torch.library.opcheck(ops.combine, (x, ys, weights, ro, rb, rp))
         torch.library.opcheck(ops.combine, (None, ys, None, ro, rb, rp))
         torch.library.opcheck(ops.combine_weights_backward, (x, ys, ro, rb, rp))
+
+
+# ---------------------------------------------------------------------------------------------
+# keep_draw: the compiled drop paths' draw (maskedbranch/_draws.py), eager's draw from the same
+# generator; the rate is a float64 tensor (a float argument would be specialized when compiled).
+
+
+def _rate(p):
+    return torch.tensor(p, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+def test_keep_draw_equals_the_eager_draw(p):
+    order = torch.zeros(1, dtype=torch.int64)
+    torch.manual_seed(5)
+    got = torch.ops.maskedbranch.keep_draw(order, 37, _rate(p))
+    want = _draws.draw(37, p, torch.Generator().manual_seed(5))
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert int(order) == 1  # every draw advances the token
+
+
+def test_keep_draw_refuses_bad_rates():
+    order = torch.zeros(1, dtype=torch.int64)
+    for bad in (torch.tensor(0.5), torch.tensor([0.5, 0.5], dtype=torch.float64), _rate(1.5)):
+        with pytest.raises(ValueError, match="keep_prob"):
+            torch.ops.maskedbranch.keep_draw(order, 3, bad)
+    with pytest.raises((TypeError, RuntimeError)):
+        torch.ops.maskedbranch.keep_draw(order, 3, 0.5)  # a float: the old schema
+
+
+def test_keep_draw_opcheck():
+    torch.library.opcheck(torch.ops.maskedbranch.keep_draw, (torch.zeros(1, dtype=torch.int64), 6, _rate(0.5)),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

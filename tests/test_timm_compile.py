@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from timm_models import FAMILIES, freeze_batch_norms, images, pair, run, assert_grads_equal
+import timm_models
+from timm_models import FAMILIES, mb_timm, freeze_batch_norms, images, pair, run, assert_grads_equal, set_drop_prob
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")]
 
@@ -103,3 +104,48 @@ def test_patched_convnext_through_inductor():
         warnings.simplefilter("error", RoutedConvLayoutWarning)  # the option set: no warning
         check("convnext", Counting("inductor"), dtype=torch.float32, tol=dict(rtol=1e-3, atol=1e-4), steps=3)
 
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-block drop rates and schedules: each block draws with its own rate, compiled as eager.
+
+
+@INDUCTOR
+def test_per_block_rates_under_plain_compile_draw_as_eager():
+    """Plain ``torch.compile`` (inductor, Dynamo's default configuration, compile caches on) of a
+    model whose blocks drop with different rates (timm's linear ``drop_path_rate``): at the same
+    seed, the compiled model draws the masks eager draws, so it computes what eager computes.
+    (The rate once reached the draw as a ``float`` argument, which inductor's caches served to
+    blocks of another rate.)"""
+    torch.manual_seed(0)
+    patched = timm_models.create("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, num_heads=2, depth=5)
+    mb_timm.patch(patched)
+    assert len({getattr(b.drop_path1, "drop_prob", 0.0) for b in patched.blocks}) == 5  # 0 to DROP
+    twin = copy.deepcopy(patched)
+    compiled = torch.compile(twin)
+    x = images(FAMILIES["vit"][1], torch.float32)
+    for step in range(3):
+        want = run(patched, x, step)
+        out, grads = run(compiled, x, step)
+        torch.testing.assert_close(out, want[0], rtol=1e-4, atol=1e-5, msg=f"step {step}")
+        assert_grads_equal({k.removeprefix("_orig_mod."): g for k, g in grads.items()}, want[1], rtol=1e-3, atol=1e-4)
+
+
+def test_drop_rate_schedule_adds_no_graph():
+    """A schedule that raises every block's rate each step: one graph serves every rate once
+    Dynamo has made the rates symbolic (a rate specialized into the graph recompiled it at each
+    step, until the recompile limit)."""
+    _, patched, _ = pair("vit")
+    twin = copy.deepcopy(patched)
+    backend = Counting()
+    compiled = torch.compile(twin, backend=backend, fullgraph=True)
+    x = images(FAMILIES["vit"][1])
+    graphs = []
+    for step in range(5):
+        for model in (patched, twin):
+            set_drop_prob(model, 0.1 + 0.05 * step)
+        want = run(patched, x, step)
+        out, grads = run(compiled, x, step)
+        torch.testing.assert_close(out, want[0], **TOL)
+        graphs.append(backend.compiled)
+    assert graphs[1] == graphs[-1] <= 2, graphs
