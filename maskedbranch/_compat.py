@@ -22,6 +22,14 @@ with a public fallback that the tests exercise (tests/test_compat.py).
   optimization on (channels_last convolutions), read from its graph handler at compile time
   only. Fallback: False (no warning that a routed convolution will fail inductor's stride check:
   the failure's own message then stands alone).
+* :func:`captures_data_dependent`: while torch.compile traces, whether Dynamo captures
+  ``.tolist()`` of a tensor and ops whose output size is data (``capture_scalar_outputs`` and
+  ``capture_dynamic_output_shape_ops``, or ``fullgraph=True`` on torch >= 2.13), read from the
+  shape environment of the trace. Fallback: the two flags in ``torch._dynamo.config`` (under
+  ``fullgraph=True`` without them, the drop paths then run the dense formula: same results).
+* :func:`is_view_of`: whether a tensor is ``x`` or a view of it (``Tensor._base``), read on meta
+  tensors while a graph is traced, so that a branch that returns its input is given a copy
+  inside ``torch.cond`` (which refuses outputs aliasing inputs). Fallback: True (a copy always).
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import torch
 from torch import nn
 
 __all__ = ["functorch_active", "tracing", "compiled_autograd_tracing", "active_ddp", "ddp_python_reducer", "ddp_join_active",
-           "inductor_layout_optimization"]
+           "inductor_layout_optimization", "captures_data_dependent", "is_view_of"]
 
 _functorch_check = getattr(torch._C, "_are_functorch_transforms_active", None)
 
@@ -70,7 +78,7 @@ def compiled_autograd_tracing() -> bool:
 _DDP = nn.parallel.DistributedDataParallel
 _HAS_ACTIVE_ATTR = hasattr(_DDP, "_active_ddp_module")
 _force_fallback = {"functorch": False, "ddp": False, "python_reducer": False, "compiled_autograd": False, "join": False,
-                   "inductor": False}  # set by the tests of the fallbacks
+                   "inductor": False, "capture": False, "views": False}  # set by the tests of the fallbacks
 _PYTHON_REDUCER = ("python_reducer", "python_reducer_without_compiled_forward")
 
 
@@ -123,3 +131,38 @@ def inductor_layout_optimization() -> bool:
         return getattr(virtualized.V.graph, "layout_opt", False) is True
     except Exception:  # noqa: BLE001 - no graph being lowered, or another inductor
         return False
+
+
+_FLAGS = ("capture_scalar_outputs", "capture_dynamic_output_shape_ops")
+
+
+def captures_data_dependent() -> bool:
+    """While torch.compile traces (call it from a function Dynamo runs for real, such as one
+    marked ``torch.compiler.assume_constant_result``): whether this trace captures ``.tolist()``
+    of a tensor and ops with data-dependent output sizes, rather than breaking the graph there.
+    Dynamo records its answer in the trace's shape environment (the two flags, or fullgraph on
+    torch >= 2.13); without it, the flags themselves."""
+    if not _force_fallback["capture"]:
+        try:
+            context = torch._guards.TracingContext.try_get()
+            env = context.fake_mode.shape_env if context is not None and context.fake_mode is not None else None
+            if env is not None:
+                scalars, shapes = env.allow_scalar_outputs, env.allow_dynamic_output_shape_ops
+                if isinstance(scalars, bool) and isinstance(shapes, bool):
+                    return scalars and shapes
+        except Exception:  # noqa: BLE001 - another torch: the flags below
+            pass
+    config = sys.modules.get("torch._dynamo.config")
+    return all(getattr(config, name, False) is True for name in _FLAGS)
+
+
+def is_view_of(y: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``y`` is ``x`` or shares its memory as a view (both views of one base included)."""
+    if y is x:
+        return True
+    if _force_fallback["views"]:
+        return True
+    base_y, base_x = getattr(y, "_base", _FLAGS), getattr(x, "_base", _FLAGS)
+    if base_y is _FLAGS or base_x is _FLAGS:  # no such attribute: assume the worst
+        return True
+    return (base_y if base_y is not None else y) is (base_x if base_x is not None else x)

@@ -52,6 +52,23 @@ def traced_routing(mode: str, batch: Any, keep_prob: float, scale_by_keep: bool,
     return gate, torch.ones((), dtype=dtype).div_(keep_prob)
 
 
+def traced_keep(keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Tuple[Tensor, Any]:
+    """The "batch" draw inside a compiled graph: whether the batch is kept, as a 0-d bool tensor
+    (the draw of :func:`host_routing`), and the factor as in :func:`traced_routing`."""
+    gate, scale = traced_routing("batch", 1, keep_prob, scale_by_keep, dtype)
+    return gate.reshape(()) >= 0, scale
+
+
+def traced_mask(mode: str, batch: Any, keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Tensor:
+    """timm's scaled mask ``[B]`` in ``dtype`` (the dense formula's factor, ``mask / keep_prob``
+    rounded as timm rounds it) from the draw of :func:`traced_routing`."""
+    rate = torch.ones((), dtype=torch.float64).mul_(keep_prob)
+    keep = torch.ops.maskedbranch.keep_draw(_ORDER, batch if mode == "row" else 1, rate).to(dtype)
+    if scale_by_keep and keep_prob > 0.0:
+        keep = keep.div_(keep_prob)
+    return keep if mode == "row" else keep.expand(batch)
+
+
 # A user's generator cannot enter a graph: with one, the draw runs eagerly (a graph break).
 # Eager mode calls host_routing directly (the disable wrapper costs about 2 us a call).
 host_routing_outside_graphs = torch.compiler.disable(host_routing)

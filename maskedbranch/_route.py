@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _autograd, _ops
+from . import _autograd, _choice, _ops
 from ._args import check_per_row_devices, route_args
 from ._signatures import Signatures, _dead_output_signature, _input_key, _mismatch, _mismatch_probed, _probe
 from ._structure import Branches
@@ -151,13 +151,25 @@ def _aliases(table: Branches, x: Tensor, mode: Mode, where: str):
     return x_in, {id(p): v for p, v in zip(params, views)}, None
 
 
-def _run(table: Branches, i: int, aliases: Optional[Dict[int, Tensor]], h: Tensor, args, kwargs) -> Any:
+def _run(table: Branches, i: int, aliases: Optional[Dict[int, Tensor]], h: Tensor, args, kwargs,
+         carried: Optional[list] = None) -> Any:
+    """Branch i on ``h``. ``carried`` (compiled calls): the branch runs on copies of its buffers,
+    and (i, [(buffer, new value)]) is appended, to be written back where the branch really ran
+    (a padded row must not move a dead branch's BatchNorm statistics)."""
     branch = table.branches[i]
-    if aliases is None:
-        return branch(h, *args, **kwargs)
     module = getattr(branch, "branch", branch)  # the residual forms wrap their module
-    mapping = {n: aliases[id(p)] for n, p in module.named_parameters(remove_duplicate=False) if id(p) in aliases}
-    y = torch.func.functional_call(module, mapping, (h, *args), kwargs, strict=False)
+    carry = carried is not None and isinstance(module, torch.nn.Module)
+    if aliases is None and not carry:
+        return branch(h, *args, **kwargs)
+    mapping = None
+    if aliases is not None:
+        mapping = {n: aliases[id(p)] for n, p in module.named_parameters(remove_duplicate=False) if id(p) in aliases}
+    if carry:
+        y, pairs = _choice.call_carrying(module, h, args, kwargs, mapping)
+        if pairs:
+            carried.append((i, pairs))
+    else:
+        y = torch.func.functional_call(module, mapping, (h, *args), kwargs, strict=False)
     return branch.check(y, h) if module is not branch else y
 
 
@@ -227,12 +239,13 @@ def route(
     xs = _rows_of(x_in, plan)
     routed_args, routed_kwargs = route_args(args, kwargs, batch, lambda t: _Parts(_rows_of(t, plan)))
     live: Dict[int, Tensor] = {}
+    carried: Optional[list] = [] if compiling else None
     for i, c in enumerate(plan.counts):
         if not compiling and c == 0:
             continue  # the branch never sees a row
         a = tuple(v.parts[i] if isinstance(v, _Parts) else v for v in routed_args)
         kw = {k: v.parts[i] if isinstance(v, _Parts) else v for k, v in routed_kwargs.items()}
-        live[i] = check_output(_run(table, i, aliases, xs[i], a, kw), f"{where}[{i}]", c)
+        live[i] = check_output(_run(table, i, aliases, xs[i], a, kw, carried), f"{where}[{i}]", c)
     _check_agreement(table, live, x, args, kwargs, None if compiling else signatures, where)
     first = next(iter(live.values()))
     ys = [live[i] if i in live else first.new_empty((0, *first.shape[1:])) for i in range(n)]
@@ -252,6 +265,8 @@ def route(
     if compiling:
         tied: Tuple[Tensor, ...] = ()  # every branch is in the graph
         ran = offsets.diff() > 0 if ran is None else ran
+        for i, pairs in carried:
+            _choice.write_back(pairs, ran[i])
     else:
         ran = sum(1 << i for i in live)
         tied = _tied(table, ran, zeros)
@@ -265,6 +280,45 @@ def _fallback_hook(out: Tensor, mode: Mode, wiring: Any) -> Tensor:
     if wiring is not None and mode.call_ties is not None and getattr(wiring, "needs_first", False):
         wiring.first_forward_hook(out)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled whole-batch choices: only the chosen branch computes (maskedbranch/_choice.py).
+
+
+def whole_batch_gate(gate: Any, x: Tensor, n: int) -> Optional[Tensor]:
+    """Under torch.compile: a gate that sends the whole batch to one branch (an int, a 0-d
+    integer tensor) as a 0-d int64 tensor checked to lie in -1..n-1; None for other gates."""
+    if isinstance(gate, Tensor):
+        if gate.dim() != 0 or gate.dtype not in _INT_DTYPES:
+            return None
+        return _choice.check_id(gate, n)
+    kind, k = normalize_gate(gate, x, n)  # an int: checked here (a symbolic one as well)
+    return torch.full((), k, dtype=torch.int64) if kind == "int" else None
+
+
+def choose(owner: Any, table: Branches, x: Tensor, gate: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+           mode: Mode) -> Optional[Tuple[Tensor, Tensor]]:
+    """A compiled whole-batch choice of ``owner``'s branches (MaskedBranch): (output, which
+    branches ran as a bool tensor [N]), or None where the routed rows run instead (other gates,
+    extra arguments, DDP's Python reducer, torch.export, a form that does not apply)."""
+    if args or kwargs or mode is Mode.ALIASES or _exporting():
+        return None
+    n = len(table.branches)
+    g = whole_batch_gate(gate, x, n)
+    if g is None:
+        return None
+    form = _choice.form_while_tracing(id(owner))
+    if form == _choice.STACKED:
+        out = _choice.stacked(table.branches, x, g, args, kwargs)
+    elif form == _choice.CONDS:
+        sig = _choice.traced_signature(owner, x)
+        if sig is None:
+            return None
+        out = _choice.conds(table.branches, x, g, args, kwargs, sig[:2], sig[2])
+    else:
+        return None
+    return out, torch.arange(n, dtype=torch.int64) == g.to("cpu")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ block, the record of the functional forms) owns one unit, which holds
   wrapper it runs under (:class:`Mode`, :meth:`RoutingUnit.mode_here`);
 * its usage record: which of its *groups* (bit i: group i, a branch, a layer) ran since the
   record was last taken;
-* its branch table and the output signatures of its branches (maskedbranch/_structure.py,
-  maskedbranch/_signatures.py), dropped when its own module changes.
+* its branch table, the output signatures of its branches and the compiled form of a
+  whole-batch choice between them (maskedbranch/_structure.py, maskedbranch/_signatures.py,
+  maskedbranch/_choice.py), dropped when its own module changes.
 
 The decision itself belongs to the data-parallel layer (maskedbranch/_wiring.py and
 maskedbranch/_decide.py), which imports this module and plugs its decision function into
@@ -145,7 +146,7 @@ class RoutingUnit:
         "owner", "where", "materialize",
         "wrapper_id", "mode", "row", "wiring", "probe", "version",
         "bits", "called", "cond", "held", "seen", "traced",
-        "table", "signatures", "__weakref__",
+        "table", "signatures", "choice", "__weakref__",
     )
 
     def __init__(self, owner: Any, where: str, materialize: Optional[bool]):
@@ -166,6 +167,7 @@ class RoutingUnit:
         self.traced = False  # set (by compiled code) once a compiled graph may have written seen
         self.table: Any = None  # the owner's branch table (maskedbranch/_structure.py), or None
         self.signatures: Any = None  # the branches' output signatures (maskedbranch/_signatures.py)
+        self.choice: Optional[int] = None  # the compiled form of a whole-batch choice (maskedbranch/_choice.py)
         if isinstance(owner, nn.Module):
             note_module(owner)
         DATA_PARALLEL.created(self)
@@ -210,6 +212,7 @@ class RoutingUnit:
         self.wiring = None
         self.mode = None
         self.table = None
+        self.choice = None
         self.version += 1
 
     def check_skippable(self) -> None:

@@ -148,6 +148,11 @@ class MaskedBranch(_structure.RoutingModuleList):
         mode = _unit.traced_mode(self) if compiling else unit.mode_here()
         if unit.signatures is None and not compiling:
             unit.signatures = Signatures()
+        if compiling:
+            chosen = _route.choose(self, self._branches(), x, gate, args, kwargs, mode)
+            if chosen is not None:  # an int or 0-d gate: the chosen branch alone, in one graph
+                _route.record(unit, chosen[1])
+                return chosen[0]
         out, ran = _route.route(
             self._branches(), x, gate, args, kwargs, mode=mode, signatures=None if compiling else unit.signatures,
             where="branches", wiring=None if compiling else unit.wiring,

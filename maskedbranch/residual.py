@@ -17,12 +17,13 @@ formula gives them. Settings after ``drop_prob`` / ``training`` are keyword-only
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from . import _compat, _draws, _functional, _route, _structure, _unit
+from . import _choice, _compat, _draws, _functional, _route, _structure, _unit
 from ._args import check_per_row_devices, route_args
 from ._drop_args import (
     UNSET,
@@ -93,7 +94,7 @@ def _fixed(x: Tensor, branch: Callable, args, kwargs, keep_prob: float, scale_by
 def _residual(
     x: Tensor, table: _structure.Branches, args: Tuple[Any, ...], kwargs: Dict[str, Any], drop_prob: Any,
     training: bool, mode: str, scale_by_keep: bool, generator: Optional[torch.Generator], kept: str,
-    tie: Callable[[], Mode], wiring: Any = None,
+    tie: Callable[[], Mode], wiring: Any = None, stateless: Optional[bool] = None,
 ) -> Tuple[Tensor, Any]:
     """The output, and which groups ran (for the unit's record). ``tie()``: the unit's mode
     (maskedbranch/_unit.py), asked once the call routes."""
@@ -114,10 +115,73 @@ def _residual(
     if not torch.compiler.is_compiling():
         gate, scale = _draws.host_routing(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype, generator)
     elif generator is None:
+        form = compiled_form(mode, tie, table.branches[0].branch, stateless)
+        if form == _COND:
+            kept, scale = _draws.traced_keep(keep_prob, scale_by_keep, x.dtype)
+            checked = table.branches[0]
+            module = checked.branch if isinstance(checked.branch, nn.Module) else None
+            return _choice.residual(checked.branch, module, x, kept, args, kwargs, scale, checked.check), kept.reshape(1)
+        if form == _DENSE:
+            mask = _draws.traced_mask(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype)
+            y = table.branches[0](x, *args, **kwargs)
+            return x + y * mask.to(y.dtype).reshape((-1,) + (1,) * (y.dim() - 1)), (mask != 0).any().reshape(1)
         gate, scale = _draws.traced_routing(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype)
     else:  # a generator object cannot enter a graph: this draw runs eagerly (a graph break)
         gate, scale = _draws.host_routing_outside_graphs(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype, generator)
     return _route.route(table, x, gate, args, kwargs, mode=tie(), base=x, scale=scale, where="branch", wiring=wiring)
+
+
+# ----------------------------------------------------------------------------------------------
+# Under torch.compile: which form a drop path takes (docs/guides/compile.md).
+
+_ROWS, _COND, _DENSE = 0, 1, 2
+
+
+def compiled_form(mode: str, tie: Callable[[], Mode], branch: Any, stateless: Optional[bool]) -> int:
+    """How a drop path computes in a compiled graph:
+
+    * ``_COND``: "batch" mode, one ``torch.cond`` that runs the branch or not (torch >= 2.13; a
+      module branch's buffers carried, a function branch only when known to change no state);
+    * ``_ROWS``: the routed rows (the kept rows only), where this trace captures data-dependent
+      row counts (the two capture flags, or fullgraph on torch >= 2.13), and for a branch that
+      normalizes over the batch (training modules with buffers: BatchNorm), which the dense
+      formula would give every row;
+    * ``_DENSE``: otherwise, timm's formula ``x + branch(x) * mask / keep_prob`` with the same
+      draw: no data-dependent size, no graph break, every row computed (warned once). A
+      function branch of unknown state is taken to treat rows independently, as
+      :func:`drop_add_residual` asks of it for results equal to the dense formula."""
+    module = isinstance(branch, nn.Module)
+    if mode == "batch" and (module or stateless is True) and _choice.cond_available() and not _route._exporting():
+        if tie() is not Mode.ALIASES:
+            return _COND
+    if (module and _batch_state(branch)) or stateless is False or rows_captured():
+        return _ROWS
+    return _DENSE
+
+
+def _batch_state(module: nn.Module) -> bool:
+    return any(m.training and len(m._buffers) > 0 for m in module.modules())
+
+
+@torch.compiler.assume_constant_result
+def rows_captured() -> bool:
+    """While torch.compile traces: whether routed rows can be captured (maskedbranch/_compat.py),
+    and when not, the warning, once per process."""
+    captured = _compat.captures_data_dependent()
+    if not captured and not _dense_warned:
+        _dense_warned.append(True)
+        warnings.warn(
+            "maskedbranch: torch.compile traces a drop path without torch._dynamo.config.capture_scalar_outputs "
+            "and capture_dynamic_output_shape_ops, so its branch runs on every row (timm's dense formula, with "
+            "the same draws and results as eager mode): no graph break, but no compute skipped. Set both to True "
+            "before compiling (or compile with fullgraph=True on torch >= 2.13) to run the branch on the kept "
+            "rows only (docs/guides/compile.md).",
+            stacklevel=2,
+        )
+    return captured
+
+
+_dense_warned: List[bool] = []
 
 
 def _settings(where: str, deprecated: tuple, mode: Any, scale_by_keep: Any, generator: Any, kept: Any):
@@ -174,10 +238,11 @@ def drop_add_residual(
 
 
 def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, args, kwargs, params, materialize_grads,
-                 module: Optional[bool] = None, owner: Optional[nn.Module] = None) -> Tensor:
+                 module: Optional[bool] = None, owner: Optional[nn.Module] = None, stateless: Optional[bool] = None) -> Tensor:
     """:func:`drop_add_residual` with checked arguments (the timm patch calls it directly, with
-    ``module=False`` for its closures, which Dynamo before 2.7 cannot take isinstance of, and
-    ``owner``, its block, whose unit decides)."""
+    ``module=False`` for its closures, which Dynamo before 2.7 cannot take isinstance of,
+    ``owner``, its block, whose unit decides, and ``stateless``, whether its function branch
+    changes no module state (no BatchNorm in training; None: not known))."""
     if module is None:
         if not callable(branch):
             raise TypeError(f"branch: expected a callable (a module or a function), got {type(branch).__name__}")
@@ -191,7 +256,7 @@ def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, a
             return _unit.traced_mode(owner) if owner is not None else Mode.SKIP
 
         return _residual(x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
-                         kept, traced)[0]
+                         kept, traced, stateless=stateless)[0]
     if owner is not None:
         unit = owner._unit
     else:

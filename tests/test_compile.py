@@ -426,6 +426,8 @@ def test_routed_rows_under_cpu_layout_optimization_warn_what_to_set():
 # Drop rates that change between calls: the rate is data of the graph, never a constant of it.
 
 
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="torch 2.6 specializes every float a graph reads (specialize_float): "
+                    "each rate recompiles, as it would for any module attribute")
 def test_drop_rate_schedule_adds_no_graph():
     """A schedule changes every block's rate each step: after the first change Dynamo makes the
     rate symbolic and the same graph serves every later rate (the rate reaches the draw as a
@@ -475,3 +477,270 @@ def test_inductor_draws_with_each_calls_rate():
         torch.manual_seed(i)
         got = compiled(x, p)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"rate {p}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole-batch choices (an int or 0-d gate, "batch" drop paths): only the chosen branch computes,
+# in one graph for every choice, and BatchNorm statistics change as with if/else.
+
+COND = torch.__version__ >= "2.13"  # torch.cond trains and carries buffers (maskedbranch/_choice.py)
+
+
+def conv_bn(tanh=False):
+    return nn.Sequential(nn.Conv2d(3, 3, 3, padding=1, bias=False), nn.BatchNorm2d(3), nn.Tanh() if tanh else nn.ReLU())
+
+
+class Graphs(Counting):
+    """Counting, and the text of every graph Dynamo gives it."""
+
+    def __init__(self):
+        super().__init__()
+        self.code = []
+
+    def __call__(self, gm, example_inputs):
+        self.code.append(str(gm.graph))
+        return super().__call__(gm, example_inputs)
+
+    def has(self, name):
+        return any(name in c for c in self.code)
+
+
+def assert_trains_as_eager(eager, calls, steps=10, fullgraph=True, x=None):
+    """Compile a copy of ``eager`` (Graphs backend), run ``calls(step)`` for ``steps`` steps of
+    SGD with momentum: outputs, parameters (None gradients included) and every buffer equal
+    eager's after each step; no graph break. Returns the backend."""
+    backend = Graphs()
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, backend=backend, fullgraph=fullgraph)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, twin)]
+    x = torch.randn(B, 3, 4, 4) if x is None else x
+    for step in range(steps):
+        args = calls(step)
+        outs = []
+        for model, opt in zip((eager, compiled), opts):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            out = model(x, *args)
+            outs.append(out.detach())
+            if out.requires_grad:
+                (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+            opt.step()
+        torch.testing.assert_close(outs[1], outs[0], **TIGHT, msg=f"step {step}")
+        for (name, p), q in zip(eager.named_parameters(), twin.parameters()):
+            assert (p.grad is None) == (q.grad is None), f"step {step}, {name}: None in one run only"
+            torch.testing.assert_close(q, p, **TIGHT, msg=f"step {step}, {name}")
+        for (name, b), c in zip(eager.named_buffers(), twin.buffers()):
+            torch.testing.assert_close(c, b, **TIGHT, msg=f"step {step}, buffer {name}")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    return backend
+
+
+def choices(kind, step):
+    k = [0, 2, -1, 1, 2, 2, 0, 1, -1, 0][step % 10]
+    return (torch.tensor(k),) if kind == "tensor" else (k,)
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["stacked", "different"])
+@pytest.mark.parametrize("kind", ["tensor", "int"])
+def test_whole_batch_choice_with_batch_norm_equals_if_else(same, kind):
+    """An int or 0-d gate over BatchNorm branches: the chosen branch's running statistics move,
+    the others' stay (a zero-weighted padded row once updated every branch's, each step); one
+    graph for every choice (two for an int: Dynamo bakes the first value in); no routed rows in
+    the graph where only the chosen branch runs (branches of one structure are stacked; others
+    take a torch.cond each, torch >= 2.13)."""
+    torch.manual_seed(0)
+    module = mb.MaskedBranch([conv_bn(tanh=not same and i % 2) for i in range(N)])
+    backend = assert_trains_as_eager(module, lambda s: choices(kind, s))
+    assert backend.compiled <= (1 if kind == "tensor" else 2), backend.compiled
+    if same or COND:
+        assert not backend.has("maskedbranch.plan"), "the routed rows ran"
+        assert backend.has("cond") == (not same)
+
+
+def test_whole_batch_choice_of_identity_and_views():
+    """A branch that returns its input, or a view of it, inside torch.cond (which refuses outputs
+    that alias its inputs): given a copy."""
+    torch.manual_seed(0)
+    module = mb.MaskedBranch([nn.Identity(), nn.Flatten(0, 0), nn.Sequential(nn.Linear(D, D), nn.ReLU())])
+    assert_trains_as_eager(module, lambda s: choices("tensor", s), x=torch.randn(B, D), steps=6)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_batch_drop_path_with_batch_norm_equals_eager(fullgraph):
+    """mode="batch" drop paths around BatchNorm branches, under plain torch.compile as well: the
+    branch runs or not (torch.cond, torch >= 2.13), its statistics move only when it ran, one
+    graph, no break."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(*[mb.ResidualDropPath(conv_bn(), 0.5, mode="batch", materialize_grads=None)
+                                          for _ in range(3)])
+
+        def forward(self, x):
+            return self.blocks(x)
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=not COND, capture_dynamic_output_shape_ops=not COND):
+        backend = assert_trains_as_eager(Net().train(), lambda s: (), fullgraph=fullgraph)
+    assert backend.compiled == 1
+    if COND:
+        assert backend.has("cond") and not backend.has("maskedbranch.plan")
+
+
+def test_which_tables_are_stacked():
+    """Stacked only when every branch runs the same code on tensors of the same kinds: the same
+    class, plain attributes, parameters and buffers (names, shapes, dtypes), in every submodule,
+    and no tensor shared between branches; anything else held by a module counts by identity."""
+    import functools
+
+    from maskedbranch import _choice
+
+    class Act(nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, x):
+            return self.fn(x)
+
+    lin = nn.Linear(D, D)
+    assert _choice.stackable([conv_bn(), conv_bn(), conv_bn()])
+    assert not _choice.stackable([conv_bn(), conv_bn(tanh=True)])  # another class inside
+    assert not _choice.stackable([nn.Conv2d(3, 3, 3), nn.Conv2d(3, 3, 3, stride=2)])  # an attribute
+    assert not _choice.stackable([nn.Linear(D, D), nn.Linear(D, D, bias=False)])  # a parameter
+    assert not _choice.stackable([nn.Linear(D, D), nn.Linear(D, D).double()])  # a dtype
+    assert not _choice.stackable([lin, lin])  # shared
+    assert _choice.stackable([Act(torch.relu), Act(torch.relu)])
+    assert not _choice.stackable([Act(torch.relu), Act(torch.tanh)])
+    assert not _choice.stackable([Act(functools.partial(torch.relu)), Act(functools.partial(torch.relu))])
+    hooked = nn.Linear(D, D)
+    hooked.register_forward_hook(lambda *a: None)
+    assert not _choice.stackable([hooked, nn.Linear(D, D)])
+
+
+def test_whole_batch_choice_of_a_bad_id_fails():
+    module = mb.MaskedBranch([nn.Linear(D, D) for _ in range(N)])
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="index|out of range|bounds"):
+        compiled(torch.randn(B, D), torch.tensor(N))
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-row gates: a branch that got no row runs on one zero-weighted row, and its buffers are left
+# as they were.
+
+
+def test_per_row_gates_leave_dead_branches_statistics_alone():
+    torch.manual_seed(0)
+    module = mb.MaskedBranch([conv_bn() for _ in range(N)])
+
+    def calls(step):
+        ids = torch.randint(0, N - 1, (B,), generator=torch.Generator().manual_seed(step))  # branch 2: never
+        return (torch.zeros(B, dtype=torch.int64) if step % 3 == 0 else ids,)  # branch 1 dead too, at times
+
+    backend = assert_trains_as_eager(module, calls, steps=9)
+    assert backend.compiled == 1
+    assert int(module[2][1].num_batches_tracked) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain torch.compile with Dynamo's default configuration: the drop paths add no graph break.
+
+NO_FLAGS = dict(capture_scalar_outputs=False, capture_dynamic_output_shape_ops=False)
+
+
+@pytest.mark.parametrize("mode", ["row", "batch"])
+def test_drop_paths_under_plain_compile_add_no_graph_break(mode):
+    """Without the capture flags the row counts cannot enter a graph: the drop paths compute
+    timm's dense formula with the same draw ("batch" mode: a torch.cond where torch >= 2.13),
+    equal to eager mode at the same seed, in one graph, and say once which flags would skip the
+    dropped rows' compute."""
+    import warnings
+
+    from maskedbranch import residual
+
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = mb.ResidualDropPath(mlp(), 0.3, mode=mode, materialize_grads=None)
+            self.f = mlp()
+
+        def forward(self, x):
+            return mb.drop_add_residual(self.a(x), self.f, 0.5, self.training, mode=mode)
+
+    residual._dense_warned.clear()
+    with torch._dynamo.config.patch(**NO_FLAGS), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        graphs = assert_steps(Block().train(), lambda s: (), fullgraph=False)
+    assert graphs[-1] == 1, graphs
+    said = [str(w.message) for w in seen if "capture_scalar_outputs" in str(w.message)]
+    assert len(said) == (0 if mode == "batch" and COND else 1), said  # a cond skips for real
+    assert all("capture_dynamic_output_shape_ops" in m for m in said)
+
+
+def test_drop_paths_dense_form_through_the_fallback():
+    """The trace's own answer on capturing is read from a private shape environment; its
+    fallback reads the two flags, so under fullgraph without them the dense form runs: the same
+    results and one graph."""
+    from maskedbranch import _compat
+
+    torch.manual_seed(0)
+    _compat._force_fallback["capture"] = True
+    try:
+        with torch._dynamo.config.patch(**NO_FLAGS):
+            graphs = assert_steps(mb.ResidualDropPath(mlp(), 0.5).train(), lambda s: ())
+    finally:
+        _compat._force_fallback["capture"] = False
+    assert graphs[-1] == 1, graphs
+
+
+def test_view_check_and_its_fallback():
+    from maskedbranch import _compat, _choice
+
+    x = torch.empty(4, 3, device="meta")
+    assert _compat.is_view_of(x, x) and _compat.is_view_of(x.view(12), x) and _compat.is_view_of(x[1:], x[:2])
+    assert not _compat.is_view_of(x.clone(), x)
+    branches = [nn.Identity(), nn.Linear(3, 3)]
+    assert _choice.signature_of(branches, (3,), torch.float32) == ((3,), torch.float32, (True, False))
+    _compat._force_fallback["views"] = True
+    try:  # without the check every branch's output is copied
+        assert _choice.signature_of(branches, (3,), torch.float32)[2] == (True, True)
+    finally:
+        _compat._force_fallback["views"] = False
+
+
+@INDUCTOR
+@pytest.mark.slow
+def test_inductor_whole_batch_choices_of_convolutions():
+    """Stacked choices and one torch.cond per choice (conv + BatchNorm), and a "batch" drop path
+    around one, through inductor with its CPU layout optimization on: static shapes, so no
+    option is needed; outputs and statistics equal eager mode's."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.same = mb.MaskedBranch([conv_bn() for _ in range(N)])
+            self.different = mb.MaskedBranch([conv_bn(tanh=i % 2) for i in range(N)])
+            self.drop = mb.ResidualDropPath(conv_bn(), 0.5, mode="batch")
+
+        def forward(self, x, a, b):
+            return self.drop(self.different(self.same(x, a), b))
+
+    eager = Net().train()
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin)
+    x = torch.randn(B, 3, 4, 4)
+    loose = dict(rtol=1e-4, atol=1e-5)
+    for step in range(4):
+        args = (torch.tensor(step % N), torch.tensor((step + 1) % N))
+        want = run(eager, x, *args, seed=step, params=list(eager.named_parameters()))
+        got = run(compiled, x, *args, seed=step, params=list(twin.named_parameters()))
+        torch.testing.assert_close(got[0], want[0], **loose)
+        assert_same_grads(got[1], want[1], none_is_zero=True, **loose)
+    for (name, b), c in zip(eager.named_buffers(), twin.buffers()):
+        torch.testing.assert_close(c, b, **loose, msg=name)
+    assert not counters["graph_break"]

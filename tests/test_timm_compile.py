@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import maskedbranch as mb
 import timm_models
 from timm_models import FAMILIES, mb_timm, freeze_batch_norms, images, pair, run, assert_grads_equal, set_drop_prob
 
@@ -149,3 +150,59 @@ def test_drop_rate_schedule_adds_no_graph():
         torch.testing.assert_close(out, want[0], **TOL)
         graphs.append(backend.compiled)
     assert graphs[1] == graphs[-1] <= 2, graphs
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain torch.compile (Dynamo's default configuration) and batch-mode slots.
+
+NO_FLAGS = dict(capture_scalar_outputs=False, capture_dynamic_output_shape_ops=False)
+COND = torch.__version__ >= "2.13"
+
+
+class Graphs(Counting):
+    def __init__(self):
+        super().__init__()
+        self.code = []
+
+    def __call__(self, gm, example_inputs):
+        self.code.append(str(gm.graph))
+        return super().__call__(gm, example_inputs)
+
+
+def check_plain(patched, x, steps=5):
+    """Plain ``torch.compile`` without the capture flags: equal to eager at the same seed, no
+    graph break, one graph for every mask."""
+    twin = copy.deepcopy(patched)
+    backend = Graphs()
+    compiled = torch.compile(twin, backend=backend)
+    with torch._dynamo.config.patch(**NO_FLAGS), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            want = run(patched, x, step)
+            out, grads = run(compiled, x, step)
+            torch.testing.assert_close(out, want[0], **TOL)
+            assert_grads_equal({k.removeprefix("_orig_mod."): g for k, g in grads.items()}, want[1], **TOL)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert backend.compiled == 1, backend.compiled
+    return backend
+
+
+def test_patched_vit_under_plain_compile_has_no_graph_break():
+    """The row drop paths take timm's dense formula with maskedbranch's draws (no flag to
+    capture the kept rows' count): no graph break, one graph over steps with new masks, and the
+    eager patched model's results."""
+    _, patched, _ = pair("vit")
+    check_plain(patched, images(FAMILIES["vit"][1]))
+
+
+def test_batch_mode_slots_run_in_one_cond_each():
+    """maskedbranch's DropPath in "batch" mode in a timm model: each slot is one torch.cond
+    (torch >= 2.13) that runs its branch or not, under plain torch.compile."""
+    _, patched, _ = pair("vit")
+    for block in patched.blocks:
+        for name in ("drop_path1", "drop_path2"):
+            p = getattr(getattr(block, name), "drop_prob", 0.0)
+            setattr(block, name, mb.DropPath(p, mode="batch"))
+    backend = check_plain(patched, images(FAMILIES["vit"][1]), steps=6)
+    if COND:
+        assert "cond" in backend.code[0] and "maskedbranch.plan" not in backend.code[0]

@@ -13,9 +13,9 @@ from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, fx, nn
 
-from ... import _draws, _route, _structure, _unit
+from ... import _choice, _draws, _route, _structure, _unit
 from ...drop_path import DropPath as _MaskedDropPath
-from ...residual import add_residual
+from ...residual import _COND, _DENSE, add_residual, compiled_form
 from . import _graph
 
 try:
@@ -108,24 +108,34 @@ def slot_call(
 
         p, _, mode, scale_by_keep, generator = settings
         materialize = blk.__dict__["_maskedbranch_timm"].materialize
+        stateless = not any(uses_batch_stats(m) for m in bns)  # else: batch_norm="kept", training
         if residual:
             return add_residual(base, branch, p, True, mode, scale_by_keep, generator, "random", per_row, None,
-                                params, materialize, module=False, owner=blk)
-        return masked(blk, lead, branch, p, mode, scale_by_keep, generator, per_row[1:], params, output)
+                                params, materialize, module=False, owner=blk, stateless=stateless)
+        return masked(blk, lead, branch, p, mode, scale_by_keep, generator, per_row[1:], params, output, stateless)
 
     call.__name__ = call.__qualname__ = "drop_path_" + dp_path.replace(".", "_")
     return call
 
 
-def masked(blk, x, branch, p, mode, scale_by_keep, generator, rest, params, output) -> Tensor:
+def masked(blk, x, branch, p, mode, scale_by_keep, generator, rest, params, output, stateless=True) -> Tensor:
     """``drop_path(branch(x, *rest))`` without a residual: the branch runs on the kept rows,
     the dropped rows are zeros (timm's values, and zero gradients for the parameters). The
-    draw is the residual forms' (maskedbranch/_draws.py)."""
+    draw is the residual forms' (maskedbranch/_draws.py); compiled, the forms are theirs
+    (maskedbranch/residual.py, ``compiled_form``)."""
     keep = 1.0 - float(p)
     compiling = torch.compiler.is_compiling()
     if not compiling:
         gate, scale = _draws.host_routing(mode, x.shape[0], keep, scale_by_keep, output[1], generator)
     elif generator is None:
+        form = compiled_form(mode, lambda: _unit.traced_mode(blk), branch, stateless)
+        if form == _COND:
+            kept, scale = _draws.traced_keep(keep, scale_by_keep, output[1])
+            return _choice.masked(branch, x, kept, tuple(rest), scale, output)
+        if form == _DENSE:
+            mask = _draws.traced_mask(mode, x.shape[0], keep, scale_by_keep, output[1])
+            y = branch(x, *rest)
+            return y * mask.to(y.dtype).reshape((-1,) + (1,) * (y.dim() - 1))
         gate, scale = _draws.traced_routing(mode, x.shape[0], keep, scale_by_keep, output[1])
     else:
         gate, scale = _draws.host_routing_outside_graphs(mode, x.shape[0], keep, scale_by_keep, output[1], generator)

@@ -1,0 +1,349 @@
+"""Whole-batch choices inside a compiled graph: one branch of a table runs on the whole batch,
+chosen by a 0-d integer tensor (MaskedBranch's int or 0-d tensor gate; a "batch" drop path keeps
+or skips its branch), and one graph serves every choice. Only the chosen branch computes, and
+the branches' buffers (BatchNorm's running statistics) change exactly as with if/else: the
+chosen branch's are updated, the others' are left alone.
+
+A table's form is picked once, while torch.compile traces (:func:`form_while_tracing`, kept in
+the unit; maskedbranch/_unit.py):
+
+* ``STACKED``: every branch has the same structure (class, plain attributes, parameter and
+  buffer names, shapes, dtypes and devices, in every submodule; :func:`structure_key`). Each
+  parameter is stacked over the branches and the chosen slice is picked with ``index_select``;
+  the first branch's code runs on it through ``torch.func.functional_call``. No control flow,
+  static shapes, any torch version; the cost is a copy of the branches' parameters per call
+  (and their gradients, zeros for the others, in the backward). It compiles fastest.
+* ``CONDS``: one ``torch.cond`` per branch (``gate == k``), one after the other, none nested
+  (nested conds are traced again at every level). Cond k runs branch k or passes the running
+  output through (a copy: cond's outputs may not alias its inputs). torch >= 2.13
+  (:data:`COND_TORCH`); torch 2.6's ``torch.cond`` gives no gradient to the branches' parameters
+  in training and cannot carry buffers.
+* ``ROWS``: the routed rows of maskedbranch/_route.py (every branch on its rows, a padded row
+  for the others), where neither applies: torch < 2.13 with branches of different structures,
+  extra arguments, outputs whose signature cannot be found on meta tensors.
+
+Buffers cross ``torch.cond`` and the stacked call as copies: each branch runs through
+``torch.func.functional_call`` with copies of its buffers (what BatchNorm updates in place), the
+copies leave the cond (integer ones as float64: an integer output of a cond fails its autograd,
+torch 2.14.1) and are copied back into the buffers after it; the stacked form writes back
+``torch.where(gate == i, new, old)``. :func:`call_carrying` does the same for the routed rows
+(maskedbranch/_route.py), whose padded rows must not update a dead branch's statistics.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from . import _compat, _unit
+
+COND_TORCH = "2.13"  # torch.cond with buffers carried, in training: tested on 2.13.0 and 2.14.1
+
+ROWS, STACKED, CONDS = 0, 1, 2
+
+
+def cond_available() -> bool:
+    return hasattr(torch, "cond") and torch.__version__ >= COND_TORCH
+
+
+# ----------------------------------------------------------------------------------------------
+# Structure: whether every branch runs the same code on tensors of the same kinds.
+
+_MODULE_STATE = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets (hooks, dicts, training)
+_HOOKS = tuple(k for k in _MODULE_STATE if k.endswith("hooks") and not k.endswith("with_kwargs") and not k.endswith("always_called"))
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _value_key(v: Any) -> Any:
+    if isinstance(v, _PLAIN):
+        return (type(v), v)
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(_value_key(a) for a in v))
+    return ("object", id(v))  # functions, partials, tensors held as attributes: the same object only
+
+
+def _tensor_key(t: Optional[Tensor]) -> Any:
+    if t is None:
+        return None
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.layout)
+
+
+def _module_key(m: nn.Module) -> Optional[tuple]:
+    if any(getattr(m, h, None) for h in _HOOKS):
+        return None  # hooks (a module's own state): not compared
+    attrs = tuple(sorted((k, _value_key(v)) for k, v in vars(m).items() if k not in _MODULE_STATE))
+    return (
+        type(m), m.training, attrs,
+        tuple((k, _tensor_key(p)) for k, p in m._parameters.items()),
+        tuple((k, _tensor_key(b), k in m._non_persistent_buffers_set) for k, b in m._buffers.items()),
+        tuple(m._modules),
+    )
+
+
+def structure_key(branch: Any) -> Optional[tuple]:
+    """What the stacked form needs equal across branches; None when a branch is not a module,
+    holds hooks, or shares a parameter or buffer within itself."""
+    if not isinstance(branch, nn.Module):
+        return None
+    keys = []
+    for name, m in branch.named_modules(remove_duplicate=False):
+        k = _module_key(m)
+        if k is None:
+            return None
+        keys.append((name, k))
+    return tuple(keys)
+
+
+def stackable(branches: Sequence[Any]) -> bool:
+    first = structure_key(branches[0])
+    if first is None or any(structure_key(b) != first for b in branches[1:]):
+        return False
+    seen: set = set()
+    for b in branches:  # no tensor shared between branches (each is written back on its own)
+        for t in list(b.parameters()) + list(b.buffers()):
+            if id(t) in seen:
+                return False
+            seen.add(id(t))
+    return True
+
+
+def _has_buffers(branches: Sequence[Any]) -> bool:
+    return any(isinstance(b, nn.Module) and next(b.buffers(), None) is not None for b in branches)
+
+
+_warned: set = set()
+
+
+def _warn_rows(where: str) -> None:
+    if where not in _warned:
+        _warned.add(where)
+        warnings.warn(
+            f"maskedbranch: {where} with a whole-batch gate under torch.compile runs every branch on its rows "
+            f"(a zero-weighted row for the branches not chosen) with torch {torch.__version__}: torch.cond "
+            f"trains and carries the branches' buffers from torch {COND_TORCH} on, and these branches differ in "
+            "structure, so they cannot be stacked. Results, BatchNorm statistics included, equal eager mode's; "
+            "what is lost is the skipped compute of the branches not chosen.",
+            stacklevel=2,
+        )
+
+
+def form_of(branches: Sequence[Any], where: str) -> int:
+    if stackable(branches):
+        return STACKED
+    if cond_available():
+        return CONDS
+    _warn_rows(where)
+    return ROWS
+
+
+@torch.compiler.assume_constant_result
+def form_while_tracing(key: int) -> int:
+    """The form of the routing module ``key`` (by id)'s table, decided at its first trace and kept
+    in its unit (dropped with the table when the module changes)."""
+    owner = _unit.module_by_id(key)
+    if owner is None:
+        return ROWS
+    unit = owner._unit
+    if unit.choice is None:
+        unit.choice = form_of(list(owner._unit_modules()), type(owner).__name__)
+    return unit.choice
+
+
+# ----------------------------------------------------------------------------------------------
+# Buffers carried as copies.
+
+
+def _named_buffers(branch: Any) -> List[Tuple[str, Tensor]]:
+    return list(branch.named_buffers()) if isinstance(branch, nn.Module) else []
+
+
+def call_carrying(branch: Any, h: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                  params: Optional[Dict[str, Tensor]] = None) -> Tuple[Any, List[Tuple[Tensor, Tensor]]]:
+    """``branch(h, *args, **kwargs)`` with its buffers replaced by copies (``params``: parameters
+    swapped in as well, by name), and (buffer, copy after the call) for each: what the call
+    would have written into the buffers."""
+    named = _named_buffers(branch)
+    if not named:
+        if params:
+            return torch.func.functional_call(branch, params, (h, *args), kwargs, strict=False), []
+        return branch(h, *args, **kwargs), []
+    fresh = {n: b.clone() for n, b in named}
+    y = torch.func.functional_call(branch, {**(params or {}), **fresh}, (h, *args), kwargs, strict=False)
+    return y, [(b, fresh[n]) for n, b in named]
+
+
+def write_back(pairs: Sequence[Tuple[Tensor, Tensor]], live: Optional[Tensor] = None) -> None:
+    """Each buffer gets its copy's value (``live``, a bool 0-d tensor: only where it is true)."""
+    if not pairs:
+        return
+    with torch.no_grad():
+        for b, new in pairs:
+            b.copy_(new if live is None else torch.where(live.to(b.device), new.to(b.dtype), b))
+
+
+def _out_of_cond(t: Tensor) -> Tensor:
+    return t if t.is_floating_point() else t.to(torch.float64)  # exact below 2**53
+
+
+# ----------------------------------------------------------------------------------------------
+# The forms.
+
+
+def check_id(gate: Tensor, n: int) -> Tensor:
+    """The gate as an int64 0-d tensor, failing when it is outside -1..n-1 (an ``index_select``
+    on n + 1 entries: the only check a graph can make without reading the value)."""
+    gate = gate.to(torch.int64)
+    return torch.arange(-1, n, dtype=torch.int64, device=gate.device).index_select(0, (gate + 1).reshape(1)).reshape(())
+
+
+def stacked(branches: Sequence[nn.Module], x: Tensor, gate: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tensor:
+    """The chosen branch's parameters and buffer copies, picked from stacks over the branches,
+    run through the first branch's code; zeros for -1. Buffers written back for the chosen one."""
+    first = branches[0]
+    tensors = list(first.parameters()) + list(first.buffers())
+    device = tensors[0].device if tensors else x.device
+    idx = torch.where(gate < 0, torch.zeros_like(gate), gate).to(device).reshape(1)
+    params = [dict(b.named_parameters()) for b in branches]
+    buffers = [dict(b.named_buffers()) for b in branches]
+    state = {n: torch.stack([p[n] for p in params]).index_select(0, idx).squeeze(0) for n in params[0]}
+    picked = {n: torch.stack([b[n] for b in buffers]).index_select(0, idx).squeeze(0) for n in buffers[0]}
+    y = torch.func.functional_call(first, {**state, **picked}, (x, *args), kwargs, strict=False)
+    if picked:
+        with torch.no_grad():
+            for i, b in enumerate(buffers):
+                chosen = (gate == i).to(device)
+                for n, t in b.items():
+                    t.copy_(torch.where(chosen, picked[n], t))
+    if not isinstance(y, Tensor):
+        return y
+    return torch.where((gate >= 0).to(y.device), y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+def conds(branches: Sequence[Any], x: Tensor, gate: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+          signature: Tuple[tuple, torch.dtype], views: Sequence[bool]) -> Tensor:
+    """One torch.cond per branch (see the module's docstring); zeros of ``signature`` when no
+    branch is chosen. ``views[k]``: branch k returns its input or a view of it (given a copy)."""
+    trailing, dtype = signature
+    y = torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
+    for k, branch in enumerate(branches):
+        named = _named_buffers(branch)
+        names = [n for n, _ in named]
+
+        def run(y: Tensor, bufs: Tuple[Tensor, ...], branch=branch, names=names, copy=views[k]):
+            fresh = tuple(b.clone() for b in bufs)
+            if names:
+                out = torch.func.functional_call(branch, dict(zip(names, fresh)), (x, *args), kwargs, strict=False)
+            else:
+                out = branch(x, *args, **kwargs)
+            return (out.clone() if copy else out), tuple(_out_of_cond(b) for b in fresh)
+
+        def skip(y: Tensor, bufs: Tuple[Tensor, ...]):
+            return y.clone(), tuple(_out_of_cond(b.clone()) for b in bufs)
+
+        y, new = torch.cond(gate == k, run, skip, (y, tuple(b.clone() for _, b in named)))
+        write_back([(b, nb) for (_, b), nb in zip(named, new)])
+    return y
+
+
+def residual(branch: Any, module: Optional[nn.Module], x: Tensor, kept: Tensor, args: Tuple[Any, ...],
+             kwargs: Dict[str, Any], scale: Any, check: Callable[[Any, Tensor], Tensor]) -> Tensor:
+    """``x + scale * branch(x)`` when ``kept`` (a bool 0-d tensor), else ``x``, in one torch.cond;
+    ``module`` (the branch's module, or None for a function that changes no state) has its
+    buffers carried."""
+    named = _named_buffers(module)
+    names = [n for n, _ in named]
+
+    def run(x: Tensor, bufs: Tuple[Tensor, ...]):
+        fresh = tuple(b.clone() for b in bufs)
+        if names:
+            y = torch.func.functional_call(module, dict(zip(names, fresh)), (x, *args), kwargs, strict=False)
+        else:
+            y = branch(x, *args, **kwargs)
+        y = check(y, x)
+        if y.dtype != x.dtype:
+            y = y.to(torch.promote_types(y.dtype, x.dtype))
+        out = x + (y * scale if isinstance(scale, Tensor) or scale != 1.0 else y)
+        return out.to(x.dtype), tuple(_out_of_cond(b) for b in fresh)
+
+    def skip(x: Tensor, bufs: Tuple[Tensor, ...]):
+        return x.clone(), tuple(_out_of_cond(b.clone()) for b in bufs)
+
+    out, new = torch.cond(kept, run, skip, (x, tuple(b.clone() for _, b in named)))
+    write_back([(b, nb) for (_, b), nb in zip(named, new)])
+    return out
+
+
+def masked(branch: Callable, x: Tensor, kept: Tensor, args: Tuple[Any, ...], scale: Any,
+           signature: Tuple[tuple, torch.dtype]) -> Tensor:
+    """``scale * branch(x)`` when ``kept``, else zeros of ``signature`` (the timm patch's drop
+    path without a residual; its branch changes no state)."""
+    trailing, dtype = signature
+
+    def run(x: Tensor):
+        y = branch(x, *args)
+        return (y * scale if isinstance(scale, Tensor) or scale != 1.0 else y.clone()).to(dtype)
+
+    def skip(x: Tensor):
+        return torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
+
+    return torch.cond(kept, run, skip, (x,))
+
+
+# ----------------------------------------------------------------------------------------------
+# Output signatures, found on meta tensors while a graph is traced.
+
+
+def _probe(branch: Any, x: Tensor) -> Optional[Tuple[tuple, torch.dtype, bool]]:
+    def meta(t: Tensor) -> Tensor:
+        return t.to("meta")
+
+    try:
+        with torch.no_grad():
+            xm = torch.empty(x.shape, dtype=x.dtype, device="meta")
+            if isinstance(branch, nn.Module):
+                state = {k: meta(v) for k, v in branch.named_parameters(remove_duplicate=False)}
+                state.update({k: meta(v) for k, v in branch.named_buffers(remove_duplicate=False)})
+                y = torch.func.functional_call(branch, state, (xm,), strict=False)
+            else:
+                y = branch(xm)
+    except Exception:  # noqa: BLE001 - unknown: the routed rows
+        return None
+    if not isinstance(y, Tensor) or y.dim() < 1 or y.shape[0] != x.shape[0]:
+        return None
+    return tuple(y.shape[1:]), y.dtype, _compat.is_view_of(y, xm)
+
+
+def signature_of(branches: Sequence[Any], trailing: tuple, dtype: torch.dtype) -> Optional[Tuple[tuple, torch.dtype, Tuple[bool, ...]]]:
+    """The branches' common output signature for an input of this trailing shape and dtype, and
+    which of them return a view of their input; None when one cannot run on meta tensors or
+    they disagree."""
+    x = torch.empty((2, *trailing), dtype=dtype, device="meta")
+    found = [_probe(b, x) for b in branches]
+    if any(f is None for f in found) or len({f[:2] for f in found}) != 1:
+        return None
+    return found[0][0], found[0][1], tuple(f[2] for f in found)
+
+
+_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
+
+
+@torch.compiler.assume_constant_result
+def _signature_while_tracing(key: int, trailing: tuple, dtype: str) -> Any:
+    owner = _unit.module_by_id(key)
+    if owner is None or dtype not in _DTYPES:
+        return None
+    found = signature_of(list(owner._unit_modules()), trailing, _DTYPES[dtype])
+    return None if found is None else (found[0], str(found[1]), found[2])
+
+
+def traced_signature(owner: nn.Module, x: Tensor) -> Optional[Tuple[tuple, torch.dtype, Tuple[bool, ...]]]:
+    """:func:`signature_of` for ``owner``'s branches, answered while the graph is traced (a
+    constant of the graph); None for symbolic trailing sizes or autocast (whose dtypes the meta
+    run does not see)."""
+    trailing = tuple(x.shape[1:])
+    if any(type(d) is not int for d in trailing) or torch.is_autocast_enabled(x.device.type) or str(x.dtype) not in _DTYPES:
+        return None
+    found = _signature_while_tracing(id(owner), trailing, str(x.dtype))
+    return None if found is None else (tuple(found[0]), _DTYPES[found[1]], tuple(found[2]))
