@@ -124,3 +124,27 @@ class Supernet(nn.Module):
         for layer, k in zip(self.layers, path):
             x = route(layer, x, k, self.kind)
         return self.head(x)
+
+
+class ConvSupernet(nn.Module):
+    """Stem -> ``layers`` choice layers of ``choices`` same-shaped choices (3x3 convolution,
+    BatchNorm when ``batch_norm``, ReLU; one structure, so compiled MaskedBranch stacks them)
+    -> pooling -> classifier; ``forward(x, path)`` as :class:`Supernet`'s."""
+
+    def __init__(self, kind: str, layers: int = 6, choices: int = 4, channels: int = 16, batch_norm: bool = True, classes: int = 10):
+        super().__init__()
+        self.kind = kind
+
+        def choice() -> nn.Module:
+            mods = [nn.Conv2d(channels, channels, 3, padding=1, bias=not batch_norm)]
+            return nn.Sequential(*mods, *([nn.BatchNorm2d(channels)] if batch_norm else []), nn.ReLU())
+
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.layers = nn.ModuleList(routed([choice() for _ in range(choices)], kind) for _ in range(layers))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
+
+    def forward(self, x: Tensor, path: Sequence[int]) -> Tensor:
+        x = self.stem(x)
+        for layer, k in zip(self.layers, path):
+            x = route(layer, x, k, self.kind)
+        return self.head(x)
