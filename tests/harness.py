@@ -11,6 +11,8 @@
 * ``ReferenceResidual``: the residual blocks ResidualDropPath replaces (timm's dense formula, or
   the block that skips its dropped rows' branch), drawing as it draws.
 * ``rss``: resident memory of this process.
+* ``Counting``: a torch.compile backend that counts the graphs it compiles and their calls, and
+  keeps each graph's text.
 """
 import contextlib
 import os
@@ -258,3 +260,28 @@ def assert_same_grads(got: dict, want: dict, none_is_zero: bool = False, **tol) 
         assert (g is None) == (w is None), f"{k}: defined in one run only"
         if w is not None:
             torch.testing.assert_close(g, w, msg=lambda m: f"{k}: {m}", **tol)
+
+
+class Counting:
+    """A torch.compile backend over ``inner`` (aot_eager by default) that counts the graphs it
+    compiles and the calls of them, and keeps the text of every graph (``has``: whether one of
+    them names ``name``, an op such as ``cond`` or ``maskedbranch.plan``)."""
+
+    def __init__(self, inner: str = "aot_eager"):
+        self.compiled, self.calls, self.inner, self.code = 0, 0, inner, []
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.compiled += 1
+        self.code.append(str(gm.graph))
+        compiled = lookup_backend(self.inner)(gm, example_inputs)
+
+        def run(*args):
+            self.calls += 1
+            return compiled(*args)
+
+        return run
+
+    def has(self, name: str) -> bool:
+        return any(name in code for code in self.code)

@@ -29,7 +29,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import maskedbranch as mb
-from harness import assert_same_grads
+from harness import Counting, assert_same_grads
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
 
@@ -58,26 +58,6 @@ def fresh_dynamo():
 
 def mlp():
     return nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
-
-
-class Counting:
-    """A backend over aot_eager that counts the graphs it compiles and the calls of them."""
-
-    def __init__(self):
-        self.compiled = 0
-        self.calls = 0
-
-    def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.registry import lookup_backend
-
-        self.compiled += 1
-        inner = lookup_backend("aot_eager")(gm, example_inputs)
-
-        def run(*args):
-            self.calls += 1
-            return inner(*args)
-
-        return run
 
 
 def gates(kind, step):
@@ -490,26 +470,11 @@ def conv_bn(tanh=False):
     return nn.Sequential(nn.Conv2d(3, 3, 3, padding=1, bias=False), nn.BatchNorm2d(3), nn.Tanh() if tanh else nn.ReLU())
 
 
-class Graphs(Counting):
-    """Counting, and the text of every graph Dynamo gives it."""
-
-    def __init__(self):
-        super().__init__()
-        self.code = []
-
-    def __call__(self, gm, example_inputs):
-        self.code.append(str(gm.graph))
-        return super().__call__(gm, example_inputs)
-
-    def has(self, name):
-        return any(name in c for c in self.code)
-
-
 def assert_trains_as_eager(eager, calls, steps=10, fullgraph=True, x=None):
-    """Compile a copy of ``eager`` (Graphs backend), run ``calls(step)`` for ``steps`` steps of
+    """Compile a copy of ``eager`` (a Counting backend), run ``calls(step)`` for ``steps`` steps of
     SGD with momentum: outputs, parameters (None gradients included) and every buffer equal
     eager's after each step; no graph break. Returns the backend."""
-    backend = Graphs()
+    backend = Counting()
     twin = copy.deepcopy(eager)
     compiled = torch.compile(twin, backend=backend, fullgraph=fullgraph)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, twin)]

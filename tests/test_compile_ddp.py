@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import maskedbranch as mb
 
-from harness import results_of, run_ranks, run_scenarios, state_diff, training_state
+from harness import Counting, results_of, run_ranks, run_scenarios, state_diff, training_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")]
 
@@ -65,17 +65,6 @@ def batch(step, rank):
     ids = torch.randint(-1, N - 1, (ROWS,), generator=g)
     k = torch.tensor((step + rank) % N)  # a 0-d tensor: data to the compiler
     return x, t, ids, k
-
-
-class Counting:
-    def __init__(self):
-        self.compiled = 0
-
-    def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.registry import lookup_backend
-
-        self.compiled += 1
-        return lookup_backend("aot_eager")(gm, example_inputs)
 
 
 def train(rank, group, order):

@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 import maskedbranch as mb
 import timm_models
+from harness import Counting
 from timm_models import FAMILIES, mb_timm, freeze_batch_norms, images, pair, run, assert_grads_equal, set_drop_prob
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")]
@@ -23,23 +24,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(torch, "compile")
 FLAGS_NEEDED = torch.__version__ < "2.13"
 TOL = dict(rtol=1e-9, atol=1e-9)
 STEPS = 6
-
-
-class Counting:
-    def __init__(self, inner="aot_eager"):
-        self.compiled, self.calls, self.inner = 0, 0, inner
-
-    def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.registry import lookup_backend
-
-        self.compiled += 1
-        compiled = lookup_backend(self.inner)(gm, example_inputs)
-
-        def run_(*args):
-            self.calls += 1
-            return compiled(*args)
-
-        return run_
 
 
 @pytest.fixture(autouse=True)
@@ -159,21 +143,11 @@ NO_FLAGS = dict(capture_scalar_outputs=False, capture_dynamic_output_shape_ops=F
 COND = torch.__version__ >= "2.13"
 
 
-class Graphs(Counting):
-    def __init__(self):
-        super().__init__()
-        self.code = []
-
-    def __call__(self, gm, example_inputs):
-        self.code.append(str(gm.graph))
-        return super().__call__(gm, example_inputs)
-
-
 def check_plain(patched, x, steps=5):
     """Plain ``torch.compile`` without the capture flags: equal to eager at the same seed, no
     graph break, one graph for every mask."""
     twin = copy.deepcopy(patched)
-    backend = Graphs()
+    backend = Counting()
     compiled = torch.compile(twin, backend=backend)
     with torch._dynamo.config.patch(**NO_FLAGS), warnings.catch_warnings():
         warnings.simplefilter("ignore")
