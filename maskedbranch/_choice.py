@@ -198,6 +198,13 @@ def check_id(gate: Tensor, n: int) -> Tensor:
     return torch.arange(-1, n, dtype=torch.int64, device=gate.device).index_select(0, (gate + 1).reshape(1)).reshape(())
 
 
+def _pick(tensors: Sequence[Tensor], idx: Tensor) -> Tensor:
+    """``tensors[idx]`` (``idx``: a 1-element int64 tensor), as a row of a 2-D stack: picked from
+    a stack of 4-D convolution weights, torch 2.13's CPU inductor (layout optimization on) gave
+    the picked weight's gradient wrongly to the stack."""
+    return torch.stack(tensors).reshape(len(tensors), -1).index_select(0, idx).reshape(tensors[0].shape)
+
+
 def stacked(branches: Sequence[nn.Module], x: Tensor, gate: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tensor:
     """The chosen branch's parameters and buffer copies, picked from stacks over the branches,
     run through the first branch's code; zeros for -1. Buffers written back for the chosen one."""
@@ -207,8 +214,8 @@ def stacked(branches: Sequence[nn.Module], x: Tensor, gate: Tensor, args: Tuple[
     idx = torch.where(gate < 0, torch.zeros_like(gate), gate).to(device).reshape(1)
     params = [dict(b.named_parameters()) for b in branches]
     buffers = [dict(b.named_buffers()) for b in branches]
-    state = {n: torch.stack([p[n] for p in params]).index_select(0, idx).squeeze(0) for n in params[0]}
-    picked = {n: torch.stack([b[n] for b in buffers]).index_select(0, idx).squeeze(0) for n in buffers[0]}
+    state = {n: _pick([p[n] for p in params], idx) for n in params[0]}
+    picked = {n: _pick([b[n] for b in buffers], idx) for n in buffers[0]}
     y = torch.func.functional_call(first, {**state, **picked}, (x, *args), kwargs, strict=False)
     if picked:
         with torch.no_grad():
