@@ -28,9 +28,12 @@ copies leave the cond (integer ones as float64: an integer output of a cond fail
 torch 2.14.1) and are copied back into the buffers after it; the stacked form writes back
 ``torch.where(gate == i, new, old)``. :func:`call_carrying` does the same for the routed rows
 (maskedbranch/_route.py), whose padded rows must not update a dead branch's statistics.
+Activations and parameters enter a cond 2-D (:func:`_rows`), in the one layout a compiler
+cannot change.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -159,6 +162,10 @@ def _named_buffers(branch: Any) -> List[Tuple[str, Tensor]]:
     return list(branch.named_buffers()) if isinstance(branch, nn.Module) else []
 
 
+def _named_parameters(branch: Any) -> List[Tuple[str, Tensor]]:
+    return list(branch.named_parameters()) if isinstance(branch, nn.Module) else []
+
+
 def call_carrying(branch: Any, h: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                   params: Optional[Dict[str, Tensor]] = None) -> Tuple[Any, List[Tuple[Tensor, Tensor]]]:
     """``branch(h, *args, **kwargs)`` with its buffers replaced by copies (``params``: parameters
@@ -228,30 +235,47 @@ def stacked(branches: Sequence[nn.Module], x: Tensor, gate: Tensor, args: Tuple[
     return torch.where((gate >= 0).to(y.device), y, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
+def _rows(t: Tensor) -> Tensor:
+    """``t`` as a cond's operand or output: 2-D, a row per batch row. A 4-D tensor could reach a
+    cond's subgraphs in another layout than they were traced with: inductor's layout
+    optimization (on by default on the CPU) copied activations and convolution weights
+    channels_last while the subgraphs asserted the traced strides (torch 2.14.1: "expected size
+    ... stride"); a 2-D tensor has one layout. The branches' parameters enter flattened too."""
+    return t.reshape(t.shape[0], -1)
+
+
 def conds(branches: Sequence[Any], x: Tensor, gate: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any],
           signature: Tuple[tuple, torch.dtype], views: Sequence[bool]) -> Tensor:
     """One torch.cond per branch (see the module's docstring); zeros of ``signature`` when no
     branch is chosen. ``views[k]``: branch k returns its input or a view of it (given a copy)."""
     trailing, dtype = signature
-    y = torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
+    shape = x.shape
+    y = torch.zeros((shape[0], math.prod(trailing)), dtype=dtype, device=x.device)
     for k, branch in enumerate(branches):
         named = _named_buffers(branch)
         names = [n for n, _ in named]
 
-        def run(y: Tensor, bufs: Tuple[Tensor, ...], branch=branch, names=names, copy=views[k]):
-            fresh = tuple(b.clone() for b in bufs)
-            if names:
-                out = torch.func.functional_call(branch, dict(zip(names, fresh)), (x, *args), kwargs, strict=False)
-            else:
-                out = branch(x, *args, **kwargs)
-            return (out.clone() if copy else out), tuple(_out_of_cond(b) for b in fresh)
+        params = _named_parameters(branch)
 
-        def skip(y: Tensor, bufs: Tuple[Tensor, ...]):
+        def run(y: Tensor, h: Tensor, flat: Tuple[Tensor, ...], bufs: Tuple[Tensor, ...], branch=branch, names=names,
+                params=params, copy=views[k]):
+            h = h.reshape(shape)
+            fresh = tuple(b.clone() for b in bufs)
+            if names or params:
+                state = {n: f.reshape(p.shape) for (n, p), f in zip(params, flat)}
+                state.update(zip(names, fresh))
+                out = torch.func.functional_call(branch, state, (h, *args), kwargs, strict=False)
+            else:
+                out = branch(h, *args, **kwargs)
+            return _rows(out.clone() if copy else out), tuple(_out_of_cond(b) for b in fresh)
+
+        def skip(y: Tensor, h: Tensor, flat: Tuple[Tensor, ...], bufs: Tuple[Tensor, ...]):
             return y.clone(), tuple(_out_of_cond(b.clone()) for b in bufs)
 
-        y, new = torch.cond(gate == k, run, skip, (y, tuple(b.clone() for _, b in named)))
+        operands = (y, _rows(x), tuple(p.reshape(-1) for _, p in params), tuple(b.clone() for _, b in named))
+        y, new = torch.cond(gate == k, run, skip, operands)
         write_back([(b, nb) for (_, b), nb in zip(named, new)])
-    return y
+    return y.reshape(shape[0], *trailing)
 
 
 def residual(branch: Any, module: Optional[nn.Module], x: Tensor, kept: Tensor, args: Tuple[Any, ...],
@@ -259,27 +283,32 @@ def residual(branch: Any, module: Optional[nn.Module], x: Tensor, kept: Tensor, 
     """``x + scale * branch(x)`` when ``kept`` (a bool 0-d tensor), else ``x``, in one torch.cond;
     ``module`` (the branch's module, or None for a function that changes no state) has its
     buffers carried."""
-    named = _named_buffers(module)
+    named, params = _named_buffers(module), _named_parameters(module)
     names = [n for n, _ in named]
+    shape = x.shape
 
-    def run(x: Tensor, bufs: Tuple[Tensor, ...]):
+    def run(h: Tensor, flat: Tuple[Tensor, ...], bufs: Tuple[Tensor, ...]):
+        h = h.reshape(shape)
         fresh = tuple(b.clone() for b in bufs)
-        if names:
-            y = torch.func.functional_call(module, dict(zip(names, fresh)), (x, *args), kwargs, strict=False)
+        if names or params:
+            state = {n: f.reshape(p.shape) for (n, p), f in zip(params, flat)}
+            state.update(zip(names, fresh))
+            y = torch.func.functional_call(module, state, (h, *args), kwargs, strict=False)
         else:
-            y = branch(x, *args, **kwargs)
-        y = check(y, x)
-        if y.dtype != x.dtype:
-            y = y.to(torch.promote_types(y.dtype, x.dtype))
-        out = x + (y * scale if isinstance(scale, Tensor) or scale != 1.0 else y)
-        return out.to(x.dtype), tuple(_out_of_cond(b) for b in fresh)
+            y = branch(h, *args, **kwargs)
+        y = check(y, h)
+        if y.dtype != h.dtype:
+            y = y.to(torch.promote_types(y.dtype, h.dtype))
+        out = h + (y * scale if isinstance(scale, Tensor) or scale != 1.0 else y)
+        return _rows(out.to(h.dtype)), tuple(_out_of_cond(b) for b in fresh)
 
-    def skip(x: Tensor, bufs: Tuple[Tensor, ...]):
-        return x.clone(), tuple(_out_of_cond(b.clone()) for b in bufs)
+    def skip(h: Tensor, flat: Tuple[Tensor, ...], bufs: Tuple[Tensor, ...]):
+        return h.clone(), tuple(_out_of_cond(b.clone()) for b in bufs)
 
-    out, new = torch.cond(kept, run, skip, (x, tuple(b.clone() for _, b in named)))
+    operands = (_rows(x), tuple(p.reshape(-1) for _, p in params), tuple(b.clone() for _, b in named))
+    out, new = torch.cond(kept, run, skip, operands)
     write_back([(b, nb) for (_, b), nb in zip(named, new)])
-    return out
+    return out.reshape(shape)
 
 
 def masked(branch: Callable, x: Tensor, kept: Tensor, args: Tuple[Any, ...], scale: Any,
@@ -287,15 +316,16 @@ def masked(branch: Callable, x: Tensor, kept: Tensor, args: Tuple[Any, ...], sca
     """``scale * branch(x)`` when ``kept``, else zeros of ``signature`` (the timm patch's drop
     path without a residual; its branch changes no state)."""
     trailing, dtype = signature
+    shape = x.shape
 
-    def run(x: Tensor):
-        y = branch(x, *args)
-        return (y * scale if isinstance(scale, Tensor) or scale != 1.0 else y.clone()).to(dtype)
+    def run(h: Tensor):
+        y = branch(h.reshape(shape), *args)
+        return _rows((y * scale if isinstance(scale, Tensor) or scale != 1.0 else y.clone()).to(dtype))
 
-    def skip(x: Tensor):
-        return torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
+    def skip(h: Tensor):
+        return torch.zeros((h.shape[0], math.prod(trailing)), dtype=dtype, device=h.device)
 
-    return torch.cond(kept, run, skip, (x,))
+    return torch.cond(kept, run, skip, (_rows(x),)).reshape(shape[0], *trailing)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -466,8 +466,9 @@ def test_inductor_draws_with_each_calls_rate():
 COND = torch.__version__ >= "2.13"  # torch.cond trains and carries buffers (maskedbranch/_choice.py)
 
 
-def conv_bn(tanh=False):
-    return nn.Sequential(nn.Conv2d(3, 3, 3, padding=1, bias=False), nn.BatchNorm2d(3), nn.Tanh() if tanh else nn.ReLU())
+def conv_bn(tanh=False, channels=3):
+    return nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+                         nn.Tanh() if tanh else nn.ReLU())
 
 
 def assert_trains_as_eager(eager, calls, steps=10, fullgraph=True, x=None):
@@ -681,24 +682,27 @@ def test_view_check_and_its_fallback():
 @pytest.mark.slow
 def test_inductor_whole_batch_choices_of_convolutions():
     """Stacked choices and one torch.cond per choice (conv + BatchNorm), and a "batch" drop path
-    around one, through inductor with its CPU layout optimization on: static shapes, so no
-    option is needed; outputs and statistics equal eager mode's."""
+    around one, through inductor with its CPU layout optimization on (24 channels: enough for
+    inductor to make the convolutions channels_last, which a cond's subgraph input once failed):
+    static shapes, so no option is needed; outputs and statistics equal eager mode's."""
     torch.manual_seed(0)
+    C = 24
 
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.same = mb.MaskedBranch([conv_bn() for _ in range(N)])
-            self.different = mb.MaskedBranch([conv_bn(tanh=i % 2) for i in range(N)])
-            self.drop = mb.ResidualDropPath(conv_bn(), 0.5, mode="batch")
+            self.stem = nn.Conv2d(3, C, 3, padding=1)
+            self.same = mb.MaskedBranch([conv_bn(channels=C) for _ in range(N)])
+            self.different = mb.MaskedBranch([conv_bn(tanh=i % 2, channels=C) for i in range(N)])
+            self.drop = mb.ResidualDropPath(conv_bn(channels=C), 0.5, mode="batch")
 
         def forward(self, x, a, b):
-            return self.drop(self.different(self.same(x, a), b))
+            return self.drop(self.same(self.different(self.stem(x), b), a))  # a cond's input: a convolution's output
 
-    eager = Net().train()
+    eager = Net().train().double()
     twin = copy.deepcopy(eager)
     compiled = torch.compile(twin)
-    x = torch.randn(B, 3, 4, 4)
+    x = torch.randn(16, 3, 16, 16, dtype=torch.float64)
     loose = dict(rtol=1e-4, atol=1e-5)
     for step in range(4):
         args = (torch.tensor(step % N), torch.tensor((step + 1) % N))
