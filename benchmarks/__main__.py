@@ -49,6 +49,8 @@ def parse(argv):
                          "wall clock")
     ap.add_argument("--ddp-ranks", type=int, default=None,
                     help="world size of the DDP suites (default 2 on CPU, 1 on a GPU)")
+    ap.add_argument("--compile-cases", default="timm,timm-plain,supernets,moe",
+                    help="comma-separated cases of the compile suite (default all: timm,timm-plain,supernets,moe)")
     args = ap.parse_args(argv)
     try:
         args.threads = [int(t) for t in args.threads.split(",") if t.strip()]
@@ -60,6 +62,10 @@ def parse(argv):
     for s in args.only:
         if s not in SUITES:
             ap.error(f"--only: unknown suite {s!r} (choose from {', '.join(SUITES)})")
+    args.compile_cases = [c.strip() for c in args.compile_cases.split(",") if c.strip()]
+    for c in args.compile_cases:
+        if c not in ("timm", "timm-plain", "supernets", "moe"):
+            ap.error(f"--compile-cases: unknown case {c!r} (choose from timm, timm-plain, supernets, moe)")
     if args.ddp_ranks is not None and args.ddp_ranks < 1:
         ap.error(f"--ddp-ranks: expected at least 1, got {args.ddp_ranks}")
     return ap, args
@@ -110,6 +116,8 @@ def main(argv=None) -> int:
         for t in importlib.import_module(f"benchmarks.suite_{s}").run(args):
             t["suite"] = s
             t["command"] = f"python -m benchmarks --only {s}" + (f" --{args.size}" if args.size != "full" else "")
+            if s == "compile" and len(args.compile_cases) < 4:
+                t["command"] += " --compile-cases " + ",".join(args.compile_cases)
             tables.append(t)
         walls[s] = time.perf_counter() - t0
         print(f"[{s}: {walls[s]:.0f} s]", file=sys.stderr, flush=True)

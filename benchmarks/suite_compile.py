@@ -348,14 +348,15 @@ def run(cfg) -> list:
         note(cfg, "compile: CPU inductor only here (benchmarks/gpu_check.sh has the GPU's compiled cases)")
         return []
     out = []
+    cases = getattr(cfg, "compile_cases", ("timm", "timm-plain", "supernets", "moe"))
+    timm_rows = timm_plain = []
     try:
         import timm  # noqa: F401
         with _recompile_limit(64):
-            timm_rows = _timm_rows(cfg)
-            timm_plain = _timm_plain_rows(cfg)
+            timm_rows = _timm_rows(cfg) if "timm" in cases else []
+            timm_plain = _timm_plain_rows(cfg) if "timm-plain" in cases else []
     except ImportError as e:
         note(cfg, f"compile: timm skipped ({e})")
-        timm_rows = timm_plain = []
     if timm_plain:
         out.append(table(
             "torch.compile (inductor, plain, Dynamo's defaults): patched timm vs timm, both compiled, train step",
@@ -378,24 +379,30 @@ def run(cfg) -> list:
             "ConvNeXt compiles with options={'layout_optimization': False} (CPU inductor, docs/guides/compile.md), "
             "timm with the defaults.",
         ))
-    with _recompile_limit(64):
-        supernet_rows = _supernet_rows(cfg)
-    out.append(table(
-        "torch.compile (inductor, plain): NAS supernets, a random path per step (a list of ints), compiled masked vs eager if/else",
-        ["model", "masked compiled", "setting", "if/else eager ms", "masked ms", "if/else compiled ms", "masked / if/else eager*",
-         "<= 0.9", "compile s masked", "compile s if/else", "compile ratio", "graphs masked / if/else", "graph breaks masked"],
-        supernet_rows,
-        "Budget (issue 30): masked / if/else eager <= 0.9, at most 2 graphs after warm-up, with and without the flags; "
-        "compile ratio (the first step, masked over one if/else path) <= 1.5. Masked runs only the chosen choice of "
-        "each layer: stacked for same-shaped choices, one torch.cond per choice otherwise (docs/guides/compile.md). "
-        "if/else compiled specializes on each path (graphs up to Dynamo's recompile limit, then eager). *Median of "
-        "per-step ratios. No inductor option (whole-batch choices have static shapes).",
-    ))
-    out.append(table(
-        "torch.compile (inductor, fullgraph): MaskedBranch as a mixture of experts (router, 8 MLP experts) vs the oracle compiled",
-        ["gate", "setting", "oracle ms", "masked ms", "masked / oracle*", "<= 1.05", "compile s masked", "graphs masked / oracle"],
-        _moe_rows(cfg),
-        "Budget (issue 22): masked / oracle <= 1.05; the oracle runs each expert on its rows split before the timed "
-        "step (no routing, no router). *Median of per-step ratios.",
-    ))
+    if "supernets" in cases:
+        with _recompile_limit(64):
+            supernet_rows = _supernet_rows(cfg)
+        out.append(table(
+            "torch.compile (inductor, plain): NAS supernets, a random path per step (a list of ints), compiled masked vs "
+            "eager if/else",
+            ["model", "masked compiled", "setting", "if/else eager ms", "masked ms", "if/else compiled ms",
+             "masked / if/else eager*", "<= 0.9", "compile s masked", "compile s if/else", "compile ratio",
+             "graphs masked / if/else", "graph breaks masked"],
+            supernet_rows,
+            "Budget (issue 30): masked / if/else eager <= 0.9, at most 2 graphs after warm-up, with and without the flags; "
+            "compile ratio (the first step, masked over one if/else path) <= 1.5. Masked runs only the chosen choice of "
+            "each layer: stacked for same-shaped choices, one torch.cond per choice otherwise (docs/guides/compile.md). "
+            "if/else compiled specializes on each path (graphs up to Dynamo's recompile limit, then eager). *Median of "
+            "per-step ratios. No inductor option (whole-batch choices have static shapes).",
+        ))
+    if "moe" in cases:
+        out.append(table(
+            "torch.compile (inductor, fullgraph): MaskedBranch as a mixture of experts (router, 8 MLP experts) vs the "
+            "oracle compiled",
+            ["gate", "setting", "oracle ms", "masked ms", "masked / oracle*", "<= 1.05", "compile s masked",
+             "graphs masked / oracle"],
+            _moe_rows(cfg),
+            "Budget (issue 22): masked / oracle <= 1.05; the oracle runs each expert on its rows split before the timed "
+            "step (no routing, no router). *Median of per-step ratios.",
+        ))
     return out
