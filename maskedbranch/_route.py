@@ -157,8 +157,12 @@ def _run(table: Branches, i: int, aliases: Optional[Dict[int, Tensor]], h: Tenso
     and (i, [(buffer, new value)]) is appended, to be written back where the branch really ran
     (a padded row must not move a dead branch's BatchNorm statistics)."""
     branch = table.branches[i]
-    module = getattr(branch, "branch", branch)  # the residual forms wrap their module
-    carry = carried is not None and isinstance(module, torch.nn.Module)
+    is_module = getattr(branch, "is_module", None)  # the residual forms' wrapper knows (maskedbranch/residual.py)
+    if is_module is None:
+        module, is_module = branch, isinstance(branch, torch.nn.Module)
+    else:
+        module = branch.branch
+    carry = carried is not None and is_module
     if aliases is None and not carry:
         return branch(h, *args, **kwargs)
     mapping = None
@@ -302,8 +306,8 @@ def choose(owner: Any, table: Branches, x: Tensor, gate: Any, args: Tuple[Any, .
     """A compiled whole-batch choice of ``owner``'s branches (MaskedBranch): (output, which
     branches ran as a bool tensor [N]), or None where the routed rows run instead (other gates,
     extra arguments, DDP's Python reducer, torch.export, a form that does not apply)."""
-    if args or kwargs or mode is Mode.ALIASES or _exporting():
-        return None
+    if args or kwargs or mode is Mode.ALIASES or _exporting() or not hasattr(torch.compiler, "is_exporting"):
+        return None  # (torch 2.6 cannot tell an export from a compile: the routed rows, right in both)
     n = len(table.branches)
     g = whole_batch_gate(gate, x, n)
     if g is None:

@@ -62,12 +62,15 @@ def _branch_params(branch: Callable, params: Optional[Iterable[Tensor]]) -> Tupl
 
 
 class _Checked:
-    """The branch, with the residual form's check of its output (shaped like its input rows)."""
+    """The branch, with the residual form's check of its output (shaped like its input rows).
+    ``is_module``: whether the branch is a module, given by the caller (Dynamo before 2.7
+    cannot take isinstance of the timm patch's closures)."""
 
-    __slots__ = ("branch",)
+    __slots__ = ("branch", "is_module")
 
-    def __init__(self, branch: Callable):
+    def __init__(self, branch: Callable, is_module: bool = True):
         self.branch = branch
+        self.is_module = is_module
 
     def __call__(self, h: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         return self.check(self.branch(h, *args, **kwargs), h)
@@ -115,11 +118,11 @@ def _residual(
     if not torch.compiler.is_compiling():
         gate, scale = _draws.host_routing(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype, generator)
     elif generator is None:
-        form = compiled_form(mode, tie, table.branches[0].branch, stateless)
+        checked = table.branches[0]
+        form = compiled_form(mode, tie, checked.branch, stateless, checked.is_module)
         if form == _COND:
             kept, scale = _draws.traced_keep(keep_prob, scale_by_keep, x.dtype)
-            checked = table.branches[0]
-            module = checked.branch if isinstance(checked.branch, nn.Module) else None
+            module = checked.branch if checked.is_module else None
             return _choice.residual(checked.branch, module, x, kept, args, kwargs, scale, checked.check), kept.reshape(1)
         if form == _DENSE:
             mask = _draws.traced_mask(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype)
@@ -137,7 +140,7 @@ def _residual(
 _ROWS, _COND, _DENSE = 0, 1, 2
 
 
-def compiled_form(mode: str, tie: Callable[[], Mode], branch: Any, stateless: Optional[bool]) -> int:
+def compiled_form(mode: str, tie: Callable[[], Mode], branch: Any, stateless: Optional[bool], module: bool) -> int:
     """How a drop path computes in a compiled graph:
 
     * ``_COND``: "batch" mode, one ``torch.cond`` that runs the branch or not (torch >= 2.13; a
@@ -149,8 +152,9 @@ def compiled_form(mode: str, tie: Callable[[], Mode], branch: Any, stateless: Op
     * ``_DENSE``: otherwise, timm's formula ``x + branch(x) * mask / keep_prob`` with the same
       draw: no data-dependent size, no graph break, every row computed (warned once). A
       function branch of unknown state is taken to treat rows independently, as
-      :func:`drop_add_residual` asks of it for results equal to the dense formula."""
-    module = isinstance(branch, nn.Module)
+      :func:`drop_add_residual` asks of it for results equal to the dense formula.
+
+    ``module``: whether ``branch`` is a module (known to the caller)."""
     if mode == "batch" and (module or stateless is True) and _choice.cond_available() and not _route._exporting():
         if tie() is not Mode.ALIASES:
             return _COND
@@ -249,7 +253,7 @@ def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, a
         module = isinstance(branch, nn.Module)
     if training and p > 0 and module:
         _structure.check_skippable([branch], "branch")  # the policy of every routing module
-    table = _structure.Branches([_Checked(branch)], params=[_branch_params(branch, params)])
+    table = _structure.Branches([_Checked(branch, module)], params=[_branch_params(branch, params)])
     if torch.compiler.is_compiling():
         # Every branch is in the graph: only DDP's Python reducer needs the mode (aliases).
         def traced() -> Mode:

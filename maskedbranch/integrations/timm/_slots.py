@@ -128,7 +128,7 @@ def masked(blk, x, branch, p, mode, scale_by_keep, generator, rest, params, outp
     if not compiling:
         gate, scale = _draws.host_routing(mode, x.shape[0], keep, scale_by_keep, output[1], generator)
     elif generator is None:
-        form = compiled_form(mode, lambda: _unit.traced_mode(blk), branch, stateless)
+        form = compiled_form(mode, lambda: _unit.traced_mode(blk), branch, stateless, False)
         if form == _COND:
             kept, scale = _draws.traced_keep(keep, scale_by_keep, output[1])
             return _choice.masked(branch, x, kept, tuple(rest), scale, output)
