@@ -244,6 +244,18 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], -1)
 
 
+def _call_inside(module: Optional[nn.Module], branch: Callable, h: Tensor, params: Sequence[Tuple[str, Tensor]],
+                 flat: Sequence[Tensor], names: Sequence[str], fresh: Sequence[Tensor], args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Any:
+    """Inside a cond: ``module`` on ``h`` with its parameters rebuilt from their flat operands
+    and its buffers the fresh copies (``branch``, a function that holds neither, called as it is)."""
+    if names or params:
+        state = {n: f.reshape(p.shape) for (n, p), f in zip(params, flat)}
+        state.update(zip(names, fresh))
+        return torch.func.functional_call(module, state, (h, *args), kwargs, strict=False)
+    return branch(h, *args, **kwargs)
+
+
 def conds(branches: Sequence[Any], x: Tensor, gate: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any],
           signature: Tuple[tuple, torch.dtype], views: Sequence[bool]) -> Tensor:
     """One torch.cond per branch (see the module's docstring); zeros of ``signature`` when no
@@ -259,14 +271,8 @@ def conds(branches: Sequence[Any], x: Tensor, gate: Tensor, args: Tuple[Any, ...
 
         def run(y: Tensor, h: Tensor, flat: Tuple[Tensor, ...], bufs: Tuple[Tensor, ...], branch=branch, names=names,
                 params=params, copy=views[k]):
-            h = h.reshape(shape)
             fresh = tuple(b.clone() for b in bufs)
-            if names or params:
-                state = {n: f.reshape(p.shape) for (n, p), f in zip(params, flat)}
-                state.update(zip(names, fresh))
-                out = torch.func.functional_call(branch, state, (h, *args), kwargs, strict=False)
-            else:
-                out = branch(h, *args, **kwargs)
+            out = _call_inside(branch, branch, h.reshape(shape), params, flat, names, fresh, args, kwargs)
             return _rows(out.clone() if copy else out), tuple(_out_of_cond(b) for b in fresh)
 
         def skip(y: Tensor, h: Tensor, flat: Tuple[Tensor, ...], bufs: Tuple[Tensor, ...]):
@@ -290,13 +296,7 @@ def residual(branch: Any, module: Optional[nn.Module], x: Tensor, kept: Tensor, 
     def run(h: Tensor, flat: Tuple[Tensor, ...], bufs: Tuple[Tensor, ...]):
         h = h.reshape(shape)
         fresh = tuple(b.clone() for b in bufs)
-        if names or params:
-            state = {n: f.reshape(p.shape) for (n, p), f in zip(params, flat)}
-            state.update(zip(names, fresh))
-            y = torch.func.functional_call(module, state, (h, *args), kwargs, strict=False)
-        else:
-            y = branch(h, *args, **kwargs)
-        y = check(y, h)
+        y = check(_call_inside(module, branch, h, params, flat, names, fresh, args, kwargs), h)
         if y.dtype != h.dtype:
             y = y.to(torch.promote_types(y.dtype, h.dtype))
         out = h + (y * scale if isinstance(scale, Tensor) or scale != 1.0 else y)
