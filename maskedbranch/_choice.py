@@ -112,10 +112,6 @@ def stackable(branches: Sequence[Any]) -> bool:
     return True
 
 
-def _has_buffers(branches: Sequence[Any]) -> bool:
-    return any(isinstance(b, nn.Module) and next(b.buffers(), None) is not None for b in branches)
-
-
 _warned: set = set()
 
 
