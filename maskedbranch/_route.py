@@ -290,15 +290,16 @@ def _fallback_hook(out: Tensor, mode: Mode, wiring: Any) -> Tensor:
 # Compiled whole-batch choices: only the chosen branch computes (maskedbranch/_choice.py).
 
 
-def whole_batch_gate(gate: Any, x: Tensor, n: int) -> Optional[Tensor]:
+def whole_batch_gate(gate: Any, x: Tensor, n: int) -> Optional[Tuple[Tensor, Any]]:
     """Under torch.compile: a gate that sends the whole batch to one branch (an int, a 0-d
-    integer tensor) as a 0-d int64 tensor checked to lie in -1..n-1; None for other gates."""
+    integer tensor) as a 0-d int64 tensor checked to lie in -1..n-1, with the int itself (None
+    for a tensor); None for other gates."""
     if isinstance(gate, Tensor):
         if gate.dim() != 0 or gate.dtype not in _INT_DTYPES:
             return None
-        return _choice.check_id(gate, n)
+        return _choice.check_id(gate, n), None
     kind, k = normalize_gate(gate, x, n)  # an int: checked here (a symbolic one as well)
-    return torch.full((), k, dtype=torch.int64) if kind == "int" else None
+    return (torch.full((), k, dtype=torch.int64), k) if kind == "int" else None
 
 
 def choose(owner: Any, table: Branches, x: Tensor, gate: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
@@ -309,12 +310,14 @@ def choose(owner: Any, table: Branches, x: Tensor, gate: Any, args: Tuple[Any, .
     if args or kwargs or mode is Mode.ALIASES or _exporting() or not hasattr(torch.compiler, "is_exporting"):
         return None  # (torch 2.6 cannot tell an export from a compile: the routed rows, right in both)
     n = len(table.branches)
-    g = whole_batch_gate(gate, x, n)
-    if g is None:
+    found = whole_batch_gate(gate, x, n)
+    if found is None:
         return None
+    g, k = found
     form = _choice.form_while_tracing(id(owner))
     if form == _choice.STACKED:
-        out = _choice.stacked(table.branches, x, g, args, kwargs)
+        # An int >= 0 needs no zeros for -1 (a symbolic one guards on its sign: -1 is a graph of its own).
+        out = _choice.stacked(table.branches, x, g, args, kwargs, nonnegative=k is not None and bool(k >= 0))
     elif form == _choice.CONDS:
         sig = _choice.traced_signature(owner, x)
         if sig is None:

@@ -284,10 +284,12 @@ class RoutingUnit:
         self.bits = self.cond = 0
         self.called = False
         if self.traced:
-            seen = self.seen
-            for i in seen.nonzero().flatten().tolist():
-                bits |= 1 << i
-            seen.zero_()
+            seen = self.seen.tolist()  # one read: a step takes every unit
+            if any(seen):
+                for i, v in enumerate(seen):
+                    if v:
+                        bits |= 1 << i
+                self.seen.zero_()
         return bits, cond & ~bits, called or bool(bits or cond)
 
     def reset_state(self) -> None:

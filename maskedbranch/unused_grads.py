@@ -100,42 +100,58 @@ def _kept(p: Tensor) -> bool:
     return entry is not None and entry[0]() is p and entry[1] is not None and entry[1]() is p.grad
 
 
-def _note_grad(p: Tensor) -> None:
-    _refs[id(p)] = (weakref.ref(p), None if p.grad is None else weakref.ref(p.grad))
-
-
 def _local_units() -> List[RoutingUnit]:
     """Compiled "auto" units that no wrapper runs: their graphs gave dead branches zeros."""
     return [u for u in list(_registry) if u.traced and u.materialize is None and u.wiring is None]
 
 
-def _local_reset(optimizer: Any, held: set) -> int:
-    units = _local_units()
+# Per optimizer: (its parameter groups' lengths, per local unit (a weak reference to it, its
+# version, per group the (parameter, weak reference to it) pairs the optimizer holds)). Read
+# once, not per step: walking every branch's parameters cost more than the step's own reset.
+_local_plans: "weakref.WeakKeyDictionary[Any, Tuple[tuple, list]]" = weakref.WeakKeyDictionary()
+
+
+def _local_plan(optimizer: Any, units: List[RoutingUnit]) -> list:
+    lengths = tuple(len(g["params"]) for g in optimizer.param_groups)
+    found = _local_plans.get(optimizer)
+    if (found is None or found[0] != lengths or len(found[1]) != len(units)
+            or any(ref() is not u or version != u.version for (ref, version, _), u in zip(found[1], units))):
+        held = {id(p) for p in _params_of(optimizer)}
+        plan = [(weakref.ref(u), u.version, [[(p, weakref.ref(p)) for p in ps if id(p) in held] for ps in u.groups()])
+                for u in units]
+        found = (lengths, plan)
+        _local_plans[optimizer] = found
+    return found[1]
+
+
+def _local_reset(optimizer: Any) -> int:
+    plan = _local_plan(optimizer, _local_units())
     now = _now[0]
     _now[0] = now + 1
     since, _since[optimizer] = _since.get(optimizer, 0), now + 1
     done = 0
-    for u in units:
+    for ref, _, groups in plan:
+        u = ref()
         bits, cond, _ = u.take()
         bits |= cond  # (a conditional group counts as used here: no wrapper reads its gradients)
-        stamps = _stamps.setdefault(u, [])
-        for i, ps in enumerate(u.groups()):
-            if i >= len(stamps):
-                stamps.extend([-1] * (i + 1 - len(stamps)))
+        stamps = _stamps.get(u)
+        if stamps is None or len(stamps) < len(groups):
+            stamps = _stamps[u] = (stamps or []) + [-1] * (len(groups) - len(stamps or []))
+        for i, ps in enumerate(groups):
             if bits >> i & 1:
                 stamps[i] = now
             if stamps[i] >= since:
                 continue
-            for p in ps:
-                if id(p) in held and p.grad is not None and not _kept(p):
+            for p, _ in ps:
+                if p.grad is not None and not _kept(p):
                     p.grad = None
                     done += 1
-    for u in units:
-        for ps in u.groups():
-            for p in ps:
-                if id(p) in held:
-                    _note_grad(p)
-    if len(_refs) > 4 * len(held) + 1024:  # parameters gone since
+    for _, _, groups in plan:  # each gradient as it goes into the step
+        for ps in groups:
+            for p, pref in ps:
+                g = p.grad
+                _refs[id(p)] = (pref, None if g is None else weakref.ref(g))
+    if len(_refs) > 4 * sum(len(g["params"]) for g in optimizer.param_groups) + 1024:  # parameters gone since
         for k in [k for k, (ref, _) in _refs.items() if ref() is None]:
             del _refs[k]
     return done
@@ -192,8 +208,7 @@ def _reset(optimizer: Any, wirings: Optional[Sequence[Any]] = None) -> int:
     for w, step_plan in _plan(optimizer, wirings):
         done += w.reset(step_plan)
     if any(u.traced for u in list(_registry)):
-        held = {id(p) for p in _params_of(optimizer)}
-        done += _local_reset(optimizer, held)
+        done += _local_reset(optimizer)
     last_reset[0] = done
     return done
 
