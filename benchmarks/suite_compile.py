@@ -432,7 +432,8 @@ def run(cfg) -> list:
             "dynamic the first time it changes), or a tensor (data from the first step). Masked runs only the chosen "
             "choice of each layer: stacked for same-shaped choices, one torch.cond per choice otherwise "
             "(docs/guides/compile.md). if/else compiled specializes on each path (graphs up to Dynamo's recompile limit, "
-            "then eager). Each contender has a forward of its own code object (graphs as in a fresh process). "
+            "then eager). Each contender has a forward of its own code name, and no profile of earlier runs is read "
+            "(graphs as in a script's first run). "
             "*Median of per-step ratios.",
         ))
     if "moe" in cases:
