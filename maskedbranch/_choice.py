@@ -208,30 +208,52 @@ def _pick(tensors: Sequence[Tensor], idx: Tensor) -> Tensor:
     return torch.stack(tensors).reshape(len(tensors), -1).index_select(0, idx).reshape(tensors[0].shape)
 
 
-def stacked(branches: Sequence[nn.Module], x: Tensor, gate: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any],
-            nonnegative: bool = False) -> Tensor:
-    """The chosen branch's parameters and buffer copies, picked from stacks over the branches,
-    run through the first branch's code; zeros for -1 unless the gate is known to be
-    ``nonnegative`` (an int >= 0). Buffers written back for the chosen one.
+@torch.compiler.assume_constant_result
+def _state_names(key: int) -> Tuple[tuple, tuple]:
+    """The parameter and buffer names of the first branch of routing module ``key`` (by id), each
+    as (submodule path, attribute, full name), answered while tracing: the stacked form then
+    reads every branch's tensors by attribute instead of tracing ``named_parameters()`` and
+    ``named_buffers()`` for every branch (Dynamo's trace of a 6 x 4 conv supernet: 1.9 s against
+    1.6 s, three runs each)."""
+    first = _unit.module_by_id(key)._unit_modules()[0]
+
+    def split(named):
+        return tuple((tuple(n.split(".")[:-1]), n.rsplit(".", 1)[-1], n) for n, _ in named)
+
+    return split(first.named_parameters()), split(first.named_buffers())
+
+
+def _tensor_at(module: nn.Module, path: Tuple[str, ...], name: str, kind: str) -> Tensor:
+    for p in path:
+        module = module._modules[p]
+    return getattr(module, kind)[name]
+
+
+def stacked(owner: nn.Module, branches: Sequence[nn.Module], x: Tensor, gate: Tensor, args: Tuple[Any, ...],
+            kwargs: Dict[str, Any], nonnegative: bool = False) -> Tensor:
+    """The chosen branch's parameters and buffer copies, picked from stacks over the branches
+    (``owner``'s), run through the first branch's code; zeros for -1 unless the gate is known to
+    be ``nonnegative`` (an int >= 0). Buffers written back for the chosen one.
 
     The zeros for -1 are a ``torch.where`` on the output, which costs more than its own pass:
     the branch's last activation is then no longer the next layer's input, and inductor saves a
     mask for its backward (a 6 x 4 convolution supernet with ReLU ran 1.4x slower compiled)."""
     first = branches[0]
-    tensors = list(first.parameters()) + list(first.buffers())
-    device = tensors[0].device if tensors else x.device
+    param_names, buffer_names = _state_names(id(owner))
+    params = [[_tensor_at(b, path, name, "_parameters") for path, name, _ in param_names] for b in branches]
+    buffers = [[_tensor_at(b, path, name, "_buffers") for path, name, _ in buffer_names] for b in branches]
+    device = params[0][0].device if param_names else buffers[0][0].device if buffer_names else x.device
     idx = (gate if nonnegative else torch.where(gate < 0, torch.zeros_like(gate), gate)).to(device).reshape(1)
-    params = [dict(b.named_parameters()) for b in branches]
-    buffers = [dict(b.named_buffers()) for b in branches]
-    state = {n: _pick([p[n] for p in params], idx) for n in params[0]}
-    picked = {n: _pick([b[n] for b in buffers], idx) for n in buffers[0]}
-    y = torch.func.functional_call(first, {**state, **picked}, (x, *args), kwargs, strict=False)
+    state = {full: _pick([p[j] for p in params], idx) for j, (_, _, full) in enumerate(param_names)}
+    picked = [_pick([b[j] for b in buffers], idx) for j in range(len(buffer_names))]
+    state.update((full, t) for (_, _, full), t in zip(buffer_names, picked))
+    y = torch.func.functional_call(first, state, (x, *args), kwargs, strict=False)
     if picked:
         with torch.no_grad():
             for i, b in enumerate(buffers):
                 chosen = (gate == i).to(device)
-                for n, t in b.items():
-                    t.copy_(torch.where(chosen, picked[n], t))
+                for t, new in zip(b, picked):
+                    t.copy_(torch.where(chosen, new, t))
     if nonnegative or not isinstance(y, Tensor):
         return y
     return torch.where((gate >= 0).to(y.device), y, torch.zeros((), dtype=y.dtype, device=y.device))

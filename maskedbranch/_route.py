@@ -317,7 +317,7 @@ def choose(owner: Any, table: Branches, x: Tensor, gate: Any, args: Tuple[Any, .
     form = _choice.form_while_tracing(id(owner))
     if form == _choice.STACKED:
         # An int >= 0 needs no zeros for -1 (a symbolic one guards on its sign: -1 is a graph of its own).
-        out = _choice.stacked(table.branches, x, g, args, kwargs, nonnegative=k is not None and bool(k >= 0))
+        out = _choice.stacked(owner, table.branches, x, g, args, kwargs, nonnegative=k is not None and bool(k >= 0))
     elif form == _choice.CONDS:
         sig = _choice.traced_signature(owner, x)
         if sig is None:
