@@ -245,7 +245,7 @@ def _own_code(model: nn.Module, name: str) -> nn.Module:
     what it learned (which ints of the path it made dynamic), so a second model of one class
     would start from the first one's state and compile fewer graphs than a user's would."""
     fwd = type(model).forward
-    code = fwd.__code__.replace(co_name=f"forward_{name}")
+    code = fwd.__code__.replace(co_name="forward_" + "".join(c if c.isalnum() else "_" for c in name))
     f = types.FunctionType(code, fwd.__globals__, code.co_name, fwd.__defaults__, fwd.__closure__)
     model.__class__ = type(type(model).__name__, (type(model),), {"forward": f})
     return model
@@ -294,8 +294,7 @@ def _supernet_rows(cfg, names=None) -> List[list]:
         )
         for key, model, comp, config, kind in contenders:
             opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
-            target, counter = _compile(_own_code(model, key.replace(" ", "_").replace(",", "").replace("/", "_")),
-                                       fullgraph=False) if comp else (model, None)
+            target, counter = _compile(_own_code(model, key), fullgraph=False) if comp else (model, None)
             step = _train_step(target, opt, lambda kind=kind: inputs(kind), nn.functional.cross_entropy)
 
             def run(step=step, config=config):

@@ -111,7 +111,7 @@ def _local_units() -> List[RoutingUnit]:
 _local_plans: "weakref.WeakKeyDictionary[Any, Tuple[tuple, list]]" = weakref.WeakKeyDictionary()
 
 
-def _local_plan(optimizer: Any, units: List[RoutingUnit]) -> list:
+def _local_plan(optimizer: Any, units: List[RoutingUnit]) -> Tuple[tuple, list]:
     lengths = tuple(len(g["params"]) for g in optimizer.param_groups)
     found = _local_plans.get(optimizer)
     if (found is None or found[0] != lengths or len(found[1]) != len(units)
@@ -121,11 +121,11 @@ def _local_plan(optimizer: Any, units: List[RoutingUnit]) -> list:
                 for u in units]
         found = (lengths, plan)
         _local_plans[optimizer] = found
-    return found[1]
+    return found
 
 
 def _local_reset(optimizer: Any) -> int:
-    plan = _local_plan(optimizer, _local_units())
+    lengths, plan = _local_plan(optimizer, _local_units())
     now = _now[0]
     _now[0] = now + 1
     since, _since[optimizer] = _since.get(optimizer, 0), now + 1
@@ -134,9 +134,8 @@ def _local_reset(optimizer: Any) -> int:
         u = ref()
         bits, cond, _ = u.take()
         bits |= cond  # (a conditional group counts as used here: no wrapper reads its gradients)
-        stamps = _stamps.get(u)
-        if stamps is None or len(stamps) < len(groups):
-            stamps = _stamps[u] = (stamps or []) + [-1] * (len(groups) - len(stamps or []))
+        stamps = _stamps.setdefault(u, [])
+        stamps.extend([-1] * (len(groups) - len(stamps)))
         for i, ps in enumerate(groups):
             if bits >> i & 1:
                 stamps[i] = now
@@ -151,7 +150,7 @@ def _local_reset(optimizer: Any) -> int:
             for p, pref in ps:
                 g = p.grad
                 _refs[id(p)] = (pref, None if g is None else weakref.ref(g))
-    if len(_refs) > 4 * sum(len(g["params"]) for g in optimizer.param_groups) + 1024:  # parameters gone since
+    if len(_refs) > 4 * sum(lengths) + 1024:  # parameters gone since
         for k in [k for k, (ref, _) in _refs.items() if ref() is None]:
             del _refs[k]
     return done
