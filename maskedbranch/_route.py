@@ -19,7 +19,7 @@ from torch import Tensor
 from . import _autograd, _choice, _ops
 from ._args import check_per_row_devices, route_args
 from ._signatures import Signatures, _dead_output_signature, _input_key, _mismatch, _mismatch_probed, _probe
-from ._structure import Branches
+from ._structure import Branches, module_of
 from ._unit import Mode
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -133,7 +133,7 @@ def _aliases(table: Branches, x: Tensor, mode: Mode, where: str):
     if mode is not Mode.ALIASES or not torch.is_grad_enabled():
         return x, None, mode.call_ties
     for i, (branch, params) in enumerate(zip(table.branches, table.params)):
-        if params and not isinstance(getattr(branch, "branch", branch), torch.nn.Module):
+        if params and not module_of(branch)[1]:
             raise RuntimeError(
                 f"{f'{where}[{i}]' if where == 'branches' else where}: under DDP's Python reducer (compiled autograd) a branch with parameters "
                 "must be an nn.Module, so that its parameters can be reached in its forward; got "
@@ -157,11 +157,7 @@ def _run(table: Branches, i: int, aliases: Optional[Dict[int, Tensor]], h: Tenso
     and (i, [(buffer, new value)]) is appended, to be written back where the branch really ran
     (a padded row must not move a dead branch's BatchNorm statistics)."""
     branch = table.branches[i]
-    is_module = getattr(branch, "is_module", None)  # the residual forms' wrapper knows (maskedbranch/residual.py)
-    if is_module is None:
-        module, is_module = branch, isinstance(branch, torch.nn.Module)
-    else:
-        module = branch.branch
+    module, is_module = module_of(branch)
     carry = carried is not None and is_module
     if aliases is None and not carry:
         return branch(h, *args, **kwargs)

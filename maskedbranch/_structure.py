@@ -61,6 +61,39 @@ class Sites:
 MAX_CACHED_SETS = 1024
 
 
+class CheckedBranch:
+    """A residual branch as the residual forms put it in their table (maskedbranch/residual.py):
+    the branch, with the check of its output (shaped like its input rows). ``is_module``:
+    whether the branch is a module, given by the caller (Dynamo before 2.7 cannot take
+    isinstance of the timm patch's closures)."""
+
+    __slots__ = ("branch", "is_module")
+
+    def __init__(self, branch: Any, is_module: bool = True):
+        self.branch = branch
+        self.is_module = is_module
+
+    def __call__(self, h: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self.check(self.branch(h, *args, **kwargs), h)
+
+    def check(self, y: Any, h: Tensor) -> Tensor:
+        if not isinstance(y, Tensor) or y.dim() != h.dim() or y.shape[0] != h.shape[0] or y.shape[1:] != h.shape[1:]:
+            got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
+            raise ValueError(
+                f"branch: a residual branch must return a tensor shaped like its input rows "
+                f"({h.shape[0]}, {', '.join(map(str, h.shape[1:]))}), got {got}"
+            )
+        return y
+
+
+def module_of(branch: Any) -> Tuple[Any, bool]:
+    """What a table's branch runs, and whether that is a module: a residual wrapper's branch,
+    else the branch itself (told apart by class, not by attribute: a user's branch may have any)."""
+    if isinstance(branch, CheckedBranch):
+        return branch.branch, branch.is_module
+    return branch, isinstance(branch, nn.Module)
+
+
 class Branches:
     """The branches of one routing module, each branch's parameters, and per set of live branches
     (a bit mask) the parameters to tie: those of the branches that did not run, less any that a

@@ -42,16 +42,6 @@ from .drop_path import DropPath, _drop_path
 __all__ = ["drop_add_residual", "ResidualDropPath"]
 
 
-def _check_branch_output(y: Any, rows: Any, x: Tensor) -> Tensor:
-    if not isinstance(y, Tensor) or y.dim() != x.dim() or y.shape[0] != rows or y.shape[1:] != x.shape[1:]:
-        got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
-        raise ValueError(
-            f"branch: a residual branch must return a tensor shaped like its input rows "
-            f"({rows}, {', '.join(map(str, x.shape[1:]))}), got {got}"
-        )
-    return y
-
-
 def _branch_params(branch: Callable, params: Optional[Iterable[Tensor]]) -> Tuple[Tensor, ...]:
     if params is not None:
         return tuple(params)
@@ -59,24 +49,6 @@ def _branch_params(branch: Callable, params: Optional[Iterable[Tensor]]) -> Tupl
         return tuple(branch.parameters())
     owner = getattr(branch, "__self__", None)  # a bound method of a module
     return tuple(owner.parameters()) if isinstance(owner, nn.Module) else ()
-
-
-class _Checked:
-    """The branch, with the residual form's check of its output (shaped like its input rows).
-    ``is_module``: whether the branch is a module, given by the caller (Dynamo before 2.7
-    cannot take isinstance of the timm patch's closures)."""
-
-    __slots__ = ("branch", "is_module")
-
-    def __init__(self, branch: Callable, is_module: bool = True):
-        self.branch = branch
-        self.is_module = is_module
-
-    def __call__(self, h: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return self.check(self.branch(h, *args, **kwargs), h)
-
-    def check(self, y: Any, h: Tensor) -> Tensor:
-        return _check_branch_output(y, h.shape[0], h)
 
 
 def _fixed(x: Tensor, branch: Callable, args, kwargs, keep_prob: float, scale_by_keep: bool, generator) -> Tensor:
@@ -253,7 +225,7 @@ def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, a
         module = isinstance(branch, nn.Module)
     if training and p > 0 and module:
         _structure.check_skippable([branch], "branch")  # the policy of every routing module
-    table = _structure.Branches([_Checked(branch, module)], params=[_branch_params(branch, params)])
+    table = _structure.Branches([_structure.CheckedBranch(branch, module)], params=[_branch_params(branch, params)])
     if torch.compiler.is_compiling():
         # Every branch is in the graph: only DDP's Python reducer needs the mode (aliases).
         def traced() -> Mode:
@@ -319,7 +291,7 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
         )
         if len(deprecated) > 2:
             raise TypeError("ResidualDropPath: takes at most 4 positional arguments (branch, drop_prob and, deprecated, mode, scale_by_keep)")
-        self._checked_branch = _Checked(branch)
+        self._checked_branch = _structure.CheckedBranch(branch)
         self._unit = _unit.RoutingUnit(self, "ResidualDropPath", materialize(materialize_grads))
 
     @property
@@ -341,12 +313,12 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
         if name == "branch" and "_unit" in self.__dict__:
             self._drop_caches()
 
-    def _checked(self) -> _Checked:
+    def _checked(self) -> _structure.CheckedBranch:
         """The branch with its output check: one object while the branch stays, since compiled
         frames guard on its identity (a new one per call recompiled whenever its address changed)."""
         checked = self._checked_branch
         if checked.branch is not self.branch:
-            checked = _Checked(self.branch)
+            checked = _structure.CheckedBranch(self.branch)
             if not torch.compiler.is_compiling():
                 self._checked_branch = checked
         return checked
@@ -416,7 +388,7 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
         for stale in ("_cache", "_usage"):  # modules pickled by maskedbranch 0.2
             state.pop(stale, None)
         super().__setstate__(state)
-        self._checked_branch = _Checked(self.branch)  # also for modules pickled without it
+        self._checked_branch = _structure.CheckedBranch(self.branch)  # also for modules pickled without it
         self._unit = _unit.RoutingUnit(self, "ResidualDropPath", materialize_grads)
 
     def __prepare_scriptable__(self) -> nn.Module:

@@ -653,6 +653,27 @@ def test_per_row_gates_leave_dead_branches_statistics_alone():
     assert int(module[2][1].num_batches_tracked) == 0
 
 
+def test_a_branch_named_like_the_residual_wrapper_is_run_as_itself():
+    """The residual forms' wrapper is told from a user's branch by its class: a branch with
+    attributes named like the wrapper's (``is_module``, ``branch``) still runs whole, with its
+    statistics carried (left alone where it got no row)."""
+    torch.manual_seed(0)
+    branches = []
+    for _ in range(N):
+        m = conv_bn()
+        m.is_module = False
+        m.branch = nn.Identity()  # a submodule: the Sequential runs it last
+        branches.append(m)
+    module = mb.MaskedBranch(branches)
+
+    def calls(step):
+        return (torch.randint(0, N - 1, (B,), generator=torch.Generator().manual_seed(step)),)  # branch 2: never
+
+    backend = assert_trains_as_eager(module, calls, steps=4)
+    assert backend.compiled == 1
+    assert int(module[2][1].num_batches_tracked) == 0
+
+
 # ----------------------------------------------------------------------------------------------
 # Plain torch.compile with Dynamo's default configuration: the drop paths add no graph break.
 
