@@ -51,6 +51,9 @@ def _branch_params(branch: Callable, params: Optional[Iterable[Tensor]]) -> Tupl
     return tuple(owner.parameters()) if isinstance(owner, nn.Module) else ()
 
 
+_Checked = _structure.CheckedBranch  # its name before it moved, which whole-module pickles made then hold
+
+
 def _fixed(x: Tensor, branch: Callable, args, kwargs, keep_prob: float, scale_by_keep: bool, generator) -> Tensor:
     """``kept="fixed"``: exactly k random rows through the branch, added back scaled by B / k
     (index_add with distinct rows: each output row gets one addition, so the result is
@@ -380,6 +383,7 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_materialize_grads"] = state.pop("_unit").materialize
+        state.pop("_checked_branch", None)  # derived from the branch, rebuilt on load
         return state
 
     def __setstate__(self, state) -> None:

@@ -361,6 +361,25 @@ def test_residual_module_eval_repr_state_and_copies():
     torch.testing.assert_close(twin(x), block(x))
 
 
+def test_residual_module_pickles_without_its_branch_wrapper():
+    """A whole-module pickle holds the branch, not the wrapper derived from it; one made while
+    the wrapper was ``maskedbranch.residual._Checked`` still loads."""
+    import pickle
+
+    block = mb.ResidualDropPath(mlp(), 0.25)
+    x = torch.randn(4, 3, 8)
+    data = pickle.dumps(block)
+    assert b"CheckedBranch" not in data
+    loaded = pickle.loads(data)
+    torch.testing.assert_close(loaded.eval()(x), block.eval()(x))
+    assert loaded._checked_branch.branch is loaded.branch
+    wrapper = block._checked_branch
+    old = pickle.dumps(wrapper, protocol=2)
+    assert b"maskedbranch._structure\nCheckedBranch\n" in old
+    old = old.replace(b"maskedbranch._structure\nCheckedBranch\n", b"maskedbranch.residual\n_Checked\n")
+    assert type(pickle.loads(old)) is type(wrapper)
+
+
 def test_drop_prob_changed_after_construction():
     """Drop-path schedules set ``drop_prob`` on the modules during training."""
     branch = CountingBranch()
