@@ -16,7 +16,7 @@ import sys
 import time
 
 SUITES = ["masked", "overhead", "ddp", "nas", "droppath", "kernels", "timm", "hf", "compile"]
-COMPILE_CASES = ["timm", "timm-plain", "supernets", "moe", "conv-supernets"]  # the first four by default
+COMPILE_CASES = ["timm", "timm-plain", "supernets", "moe", "conv-supernets", "timm-cold"]  # the first four by default
 
 
 def machine(device: str) -> str:
@@ -52,7 +52,8 @@ def parse(argv):
                     help="world size of the DDP suites (default 2 on CPU, 1 on a GPU)")
     ap.add_argument("--compile-cases", default=",".join(COMPILE_CASES[:4]),
                     help="comma-separated cases of the compile suite (default: timm,timm-plain,supernets,moe; "
-                         "conv-supernets: the supernets less the ShuffleNetV2 one, whose conds take most of the time)")
+                         "conv-supernets: the supernets less the ShuffleNetV2 one, whose conds take most of the time; "
+                         "timm-cold: timm's and patched timm's first compiled step from empty caches)")
     args = ap.parse_args(argv)
     try:
         args.threads = [int(t) for t in args.threads.split(",") if t.strip()]
