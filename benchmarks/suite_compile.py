@@ -112,33 +112,47 @@ def _first_steps(step: Callable, n: int) -> float:
 # 1. timm
 
 
-def _timm_rows(cfg) -> List[list]:
+def _timm_cases(cfg):
+    """(name, timm's model name, its keyword arguments, x, y) at the suite's sizes (smoke: two
+    small blocks or stages)."""
+    batch, side, _, _ = SIZES[cfg.size]
+    for name, (model_name, kw) in TIMM.items():
+        if cfg.size == "smoke":
+            kw = dict(img_size=side, depth=2, embed_dim=64, num_heads=2) if name == "ViT-S" else dict(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128))
+        yield name, model_name, kw, torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
+
+
+def _timm_step(name, model_name, kw, x, y, rate, patched, fullgraph, forced=None):
+    """A compiled train step of timm's model, patched or not, and its graph counter. ``forced``:
+    every drop path's rate (0.0: every block kept, 1.0: every block dropped)."""
     import timm
 
     from maskedbranch.integrations.timm import patch
 
-    batch, side, reps, warmup = SIZES[cfg.size]
+    torch.manual_seed(0)
+    model = timm.create_model(model_name, pretrained=False, num_classes=10, drop_path_rate=rate, **kw)
+    if patched:
+        patch(model)
+    if forced is not None:
+        for m in model.modules():
+            if type(m).__name__ == "DropPath":
+                m.drop_prob = forced
+    # Routed convolutions on CPU need inductor's layout optimization off (docs/guides/compile.md);
+    # without fullgraph (and the flags) the drop paths take the dense formula, which routes nothing.
+    options = {"layout_optimization": False} if patched and fullgraph and name == "ConvNeXt-T" else None
+    compiled, counter = _compile(model, fullgraph=fullgraph, options=options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    return _train_step(compiled, opt, lambda: ((x,), y), nn.functional.cross_entropy), counter
+
+
+def _timm_rows(cfg) -> List[list]:
+    _, _, reps, warmup = SIZES[cfg.size]
     rates = (0.4,) if cfg.size == "smoke" else (0.1, 0.2, 0.4)
     rows = []
-    for name, (model_name, kw) in TIMM.items():
-        if cfg.size == "smoke":
-            kw = dict(img_size=side, depth=2, embed_dim=64, num_heads=2) if name == "ViT-S" else dict(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128))
-        x, y = torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
+    for name, model_name, kw, x, y in _timm_cases(cfg):
 
-        def build(rate, patched, forced=None):
-            torch.manual_seed(0)
-            model = timm.create_model(model_name, pretrained=False, num_classes=10, drop_path_rate=rate, **kw)
-            if patched:
-                patch(model)
-            if forced is not None:  # every block kept (0.0) or dropped (1.0): the blocks' share of the step
-                for m in model.modules():
-                    if type(m).__name__ == "DropPath":
-                        m.drop_prob = forced
-            # Routed convolutions on CPU need inductor's layout optimization off (docs/guides/compile.md)
-            options = {"layout_optimization": False} if patched and name == "ConvNeXt-T" else None
-            compiled, counter = _compile(model, fullgraph=True, options=options)
-            opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
-            step = _train_step(compiled, opt, lambda: ((x,), y), nn.functional.cross_entropy)
+        def build(rate, patched, forced=None):  # forced: the blocks' share of the step
+            step, counter = _timm_step(name, model_name, kw, x, y, rate, patched, True, forced)
             torch.manual_seed(0)
             seconds = _first_steps(step, 1)
             _progress(f"{name} {'patched' if patched else 'timm'} rate {rate} forced {forced}", seconds)
@@ -167,27 +181,14 @@ def _timm_rows(cfg) -> List[list]:
 def _timm_plain_rows(cfg) -> List[list]:
     """Patched timm vs timm, both under plain torch.compile with Dynamo's defaults (no flag): the
     drop paths take timm's dense formula with maskedbranch's draws, one graph, no break."""
-    import timm
-
-    from maskedbranch.integrations.timm import patch
-
-    batch, side, reps, warmup = SIZES[cfg.size]
+    _, _, reps, warmup = SIZES[cfg.size]
     rate = 0.4
     rows = []
-    for name, (model_name, kw) in TIMM.items():
-        if cfg.size == "smoke":
-            kw = dict(img_size=side, depth=2, embed_dim=64, num_heads=2) if name == "ViT-S" else dict(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128))
-        x, y = torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
+    for name, model_name, kw, x, y in _timm_cases(cfg):
         made = {}
         for key in ("timm", "patched"):
             torch.compiler.reset()
-            torch.manual_seed(0)
-            model = timm.create_model(model_name, pretrained=False, num_classes=10, drop_path_rate=rate, **kw)
-            if key == "patched":
-                patch(model)
-            compiled, counter = _compile(model, fullgraph=False)
-            opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
-            step = _train_step(compiled, opt, lambda: ((x,), y), nn.functional.cross_entropy)
+            step, counter = _timm_step(name, model_name, kw, x, y, rate, key == "patched", False)
 
             def run(step=step):
                 with _no_flags():
@@ -224,30 +225,15 @@ def _cold_caches():
 def _timm_cold_rows(cfg) -> List[list]:
     """The first compiled step of timm and of patched timm (drop_path_rate 0.4, the flags,
     fullgraph), each from empty caches."""
-    import timm
-
-    from maskedbranch.integrations.timm import patch
-
-    batch, side, _, _ = SIZES[cfg.size]
     # What a process pays once (inductor's imports, its compile workers), before either is timed.
     warm = nn.Linear(4, 4)
     torch.compile(warm)(torch.randn(2, 4)).sum().backward()
     rows = []
-    for name, (model_name, kw) in TIMM.items():
-        if cfg.size == "smoke":
-            kw = dict(img_size=side, depth=2, embed_dim=64, num_heads=2) if name == "ViT-S" else dict(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128))
-        x, y = torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
+    for name, model_name, kw, x, y in _timm_cases(cfg):
         seconds = {}
         for key in ("timm", "patched"):
             torch.compiler.reset()
-            torch.manual_seed(0)
-            model = timm.create_model(model_name, pretrained=False, num_classes=10, drop_path_rate=0.4, **kw)
-            if key == "patched":
-                patch(model)
-            options = {"layout_optimization": False} if key == "patched" and name == "ConvNeXt-T" else None
-            compiled, _ = _compile(model, fullgraph=True, options=options)
-            opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
-            step = _train_step(compiled, opt, lambda: ((x,), y), nn.functional.cross_entropy)
+            step, _ = _timm_step(name, model_name, kw, x, y, 0.4, key == "patched", True)
             with _flags(), _cold_caches():
                 seconds[key] = _first_steps(step, 1)
             _progress(f"{name} {key} cold caches", seconds[key])
