@@ -42,14 +42,14 @@ def traced_routing(mode: str, batch: Any, keep_prob: float, scale_by_keep: bool,
     # The rate as a float64 tensor, made by a multiplication (which torch.compile keeps symbolic
     # when the rate is a symbolic float; torch.full((), rate) specializes it): a `float`
     # argument of the op was specialized and then served stale by the compile caches.
-    rate = torch.ones((), dtype=torch.float64).mul_(keep_prob)
+    rate = torch.ones((), dtype=torch.float64) * keep_prob
     keep = torch.ops.maskedbranch.keep_draw(_ORDER, batch if mode == "row" else 1, rate)
-    gate = keep.to(torch.int64).sub_(1)
+    gate = keep.to(torch.int64) - 1
     if mode != "row":
         gate = gate.expand(batch)
     if not scale_by_keep or keep_prob == 0.0:
         return gate, 1.0
-    return gate, torch.ones((), dtype=dtype).div_(keep_prob)
+    return gate, torch.ones((), dtype=dtype) / keep_prob
 
 
 def traced_keep(keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Tuple[Tensor, Any]:
@@ -62,10 +62,10 @@ def traced_keep(keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Tu
 def traced_mask(mode: str, batch: Any, keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Tensor:
     """timm's scaled mask ``[B]`` in ``dtype`` (the dense formula's factor, ``mask / keep_prob``
     rounded as timm rounds it) from the draw of :func:`traced_routing`."""
-    rate = torch.ones((), dtype=torch.float64).mul_(keep_prob)
+    rate = torch.ones((), dtype=torch.float64) * keep_prob
     keep = torch.ops.maskedbranch.keep_draw(_ORDER, batch if mode == "row" else 1, rate).to(dtype)
     if scale_by_keep and keep_prob > 0.0:
-        keep = keep.div_(keep_prob)
+        keep = keep / keep_prob
     return keep if mode == "row" else keep.expand(batch)
 
 

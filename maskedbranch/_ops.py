@@ -144,7 +144,8 @@ def plan_and_offsets(gate: Tensor, num_branches: int, device=None, at_least_one:
     target = normalize_device(device, gate.device)
     rows, row_offsets, row_branch, row_pos = to_device((rows, row_offsets, row_branch, row_pos), target)
     if torch.compiler.is_compiling():
-        counts = offsets.diff().tolist()
+        # One branch: its count is the number of entries (one unbacked size, not two).
+        counts = [rows.shape[0]] if num_branches == 1 else offsets.diff().tolist()
         limit = gate.shape[0]
         for c in counts:  # what the kernel guarantees, for the shapes of the branches' rows
             torch._check(c >= (1 if at_least_one else 0))

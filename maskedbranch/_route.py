@@ -193,13 +193,17 @@ def route(
     signatures: Optional[Signatures] = None,
     where: str = "branches",
     wiring: Any = None,
+    drawn: bool = False,
 ) -> Tuple[Tensor, Any]:
     """``base + scale * sum_i g[:, i] * branch_i(x, ...)``, and which branches ran: a bit mask
     (an int) in eager mode, a bool tensor ``[N]`` under torch.compile. ``mode`` (the calling
     unit's, maskedbranch/_unit.py) says whether this call ties the parameters of the branches
     that did not run (``mode.call_ties``: None no, False with undefined gradients, True with
     zeros) or runs them on aliases. ``wiring``: the unit's wiring, when a call's tie must
-    launch the reduction of a forward that its wrapper's hooks missed.
+    launch the reduction of a forward that its wrapper's hooks missed. ``drawn``: the gate is a
+    drop path's own draw (0 or -1 per row), valid by construction; compiled, its padded plan is
+    made from it directly, without the plan of the gate that checks a user's gate (a plan op and
+    its data-dependent sizes fewer per call: each costs compile time).
 
     Under torch.compile (and torch.export) the gate is data: which branches run and on how many
     rows are not known while the graph is made, so every branch runs on its rows (none
@@ -222,11 +226,14 @@ def route(
         else:
             return _fallback_hook(_no_branch(table, x, gate, args, kwargs, mode, base, signatures, where), mode, wiring), 0
 
-    plan, offsets = _ops.plan_and_offsets(gate, n, device=x.device)  # host counts; a device gate reads back once
     weights = gate if gate.dim() == 2 and gate.is_floating_point() else None
     ran: Any = None
-    if compiling and batch > 0:
-        plan, weights, ran = _padded_plan(gate, n, offsets, weights, x)
+    if compiling and batch > 0 and drawn:
+        plan, weights, ran = _padded_plan(gate, n, None, weights, x)
+    else:
+        plan, offsets = _ops.plan_and_offsets(gate, n, device=x.device)  # host counts; a device gate reads back once
+        if compiling and batch > 0:
+            plan, weights, ran = _padded_plan(gate, n, offsets, weights, x)
     if not compiling and weights is None and batch > 0 and plan.num_entries == batch and batch in plan.counts:
         # Every row goes to one branch, in order: run it on x itself (no gather, no copy).
         i = plan.counts.index(batch)
@@ -343,10 +350,10 @@ def _padded_plan(gate: Tensor, n: int, offsets: Tensor, weights: Optional[Tensor
     some ops guard on the element count while the count is unknown (BatchNorm). With one row
     each, the count is known to be at least 1. The extra row's output is weighted by zero (its
     gradient too), so results are unchanged."""
-    dead = offsets.diff() == 0
     live = _as_mask(gate, n)
-    dummy = torch.zeros_like(live)
-    dummy[0] = dead.to(live.device)
+    dead = ~live.any(0) if offsets is None else offsets.diff() == 0
+    first = torch.arange(live.shape[0], device=live.device) == 0
+    dummy = first.unsqueeze(1) & dead.to(live.device)  # row 0 of each dead branch (out of place: no mutation to trace)
     opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
     w = live.to(opmath) if weights is None else weights
     w = torch.where(dummy, torch.zeros((), dtype=w.dtype, device=w.device), w)

@@ -106,7 +106,8 @@ def _residual(
         gate, scale = _draws.traced_routing(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype)
     else:  # a generator object cannot enter a graph: this draw runs eagerly (a graph break)
         gate, scale = _draws.host_routing_outside_graphs(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype, generator)
-    return _route.route(table, x, gate, args, kwargs, mode=tie(), base=x, scale=scale, where="branch", wiring=wiring)
+    return _route.route(table, x, gate, args, kwargs, mode=tie(), base=x, scale=scale, where="branch", wiring=wiring,
+                        drawn=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,25 +218,32 @@ def drop_add_residual(
 
 
 def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, args, kwargs, params, materialize_grads,
-                 module: Optional[bool] = None, owner: Optional[nn.Module] = None, stateless: Optional[bool] = None) -> Tensor:
+                 module: Optional[bool] = None, owner: Optional[nn.Module] = None, stateless: Optional[bool] = None,
+                 read_params: Optional[Callable[[], Tuple[Tensor, ...]]] = None) -> Tensor:
     """:func:`drop_add_residual` with checked arguments (the timm patch calls it directly, with
     ``module=False`` for its closures, which Dynamo before 2.7 cannot take isinstance of,
-    ``owner``, its block, whose unit decides, and ``stateless``, whether its function branch
-    changes no module state (no BatchNorm in training; None: not known))."""
+    ``owner``, its block, whose unit decides, ``stateless``, whether its function branch
+    changes no module state (no BatchNorm in training; None: not known), and ``read_params``,
+    which reads the branch's parameters in place of ``params`` when a call needs them)."""
     if module is None:
         if not callable(branch):
             raise TypeError(f"branch: expected a callable (a module or a function), got {type(branch).__name__}")
         module = isinstance(branch, nn.Module)
     if training and p > 0 and module:
         _structure.check_skippable([branch], "branch")  # the policy of every routing module
-    table = _structure.Branches([_structure.CheckedBranch(branch, module)], params=[_branch_params(branch, params)])
-    if torch.compiler.is_compiling():
-        # Every branch is in the graph: only DDP's Python reducer needs the mode (aliases).
-        def traced() -> Mode:
-            return _unit.traced_mode(owner) if owner is not None else Mode.SKIP
 
+    def branch_params() -> Tuple[Tensor, ...]:
+        return tuple(read_params()) if read_params is not None else _branch_params(branch, params)
+
+    if torch.compiler.is_compiling():
+        # Every branch is in the graph: only DDP's Python reducer needs the mode and the
+        # parameters (aliases). Not read otherwise: Dynamo would trace the module walk per call.
+        traced = _unit.traced_mode(owner) if owner is not None else Mode.SKIP
+        table = _structure.Branches([_structure.CheckedBranch(branch, module)],
+                                    params=[branch_params() if traced is Mode.ALIASES else ()])
         return _residual(x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
-                         kept, traced, stateless=stateless)[0]
+                         kept, lambda: traced, stateless=stateless)[0]
+    table = _structure.Branches([_structure.CheckedBranch(branch, module)], params=[branch_params()])
     if owner is not None:
         unit = owner._unit
     else:

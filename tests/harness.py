@@ -265,16 +265,20 @@ def assert_same_grads(got: dict, want: dict, none_is_zero: bool = False, **tol) 
 class Counting:
     """A torch.compile backend over ``inner`` (aot_eager by default) that counts the graphs it
     compiles and the calls of them, and keeps the text of every graph (``has``: whether one of
-    them names ``name``, an op such as ``cond`` or ``maskedbranch.plan``)."""
+    them names ``name``, an op such as ``cond`` or ``maskedbranch.plan``) and its data-dependent
+    sizes (``unbacked``: one set of symbols per graph)."""
 
     def __init__(self, inner: str = "aot_eager"):
-        self.compiled, self.calls, self.inner, self.code = 0, 0, inner, []
+        self.compiled, self.calls, self.inner, self.code, self.unbacked = 0, 0, inner, [], []
 
     def __call__(self, gm, example_inputs):
         from torch._dynamo.backends.registry import lookup_backend
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
         self.compiled += 1
         self.code.append(str(gm.graph))
+        values = [n.meta["example_value"] for n in gm.graph.nodes if n.meta.get("example_value") is not None]
+        self.unbacked.append(set().union(*(free_unbacked_symbols(v) for v in values)))
         compiled = lookup_backend(self.inner)(gm, example_inputs)
 
         def run(*args):

@@ -168,6 +168,21 @@ def test_residual_drop_path_compiles_whole(mode, scale_by_keep):
     assert graphs[-1] == 1, graphs
 
 
+def test_a_drop_path_graph_has_one_plan_and_one_row_count():
+    """Each data-dependent size costs compile time in Dynamo, AOT autograd and inductor, which
+    reason about every one of them. A compiled row-mode drop path makes its padded plan straight
+    from its own draw (valid by construction: no plan of the gate to check it) and reads its
+    branch's row count from the plan's size: one plan op and one unbacked size per call."""
+    torch.manual_seed(0)
+    backend = Counting()
+    block = mb.ResidualDropPath(mlp(), 0.5).train()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        torch.compile(block, backend=backend, fullgraph=True)(torch.randn(B, D))
+    assert backend.compiled == 1
+    assert backend.code[0].count("maskedbranch.plan") == 1, backend.code[0]
+    assert len(backend.unbacked[0]) == 1, backend.unbacked[0]
+
+
 @pytest.mark.parametrize("mode", ["row", "batch"])
 def test_drop_add_residual_and_drop_path_compile_whole(mode):
     torch.manual_seed(0)

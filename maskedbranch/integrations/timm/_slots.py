@@ -8,6 +8,7 @@ compiled model draws exactly as an eager one, and both compile whole.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -72,17 +73,17 @@ def slot_call(
     ]
     module_paths, param_paths = list(slot.modules), list(slot.params)
 
-    def resolved(blk: nn.Module) -> Tuple[List[nn.Module], Tuple[Tensor, ...]]:
-        """The branch's BatchNorms and parameters in ``blk``, read on each call (no cache, so
+    def parameters(blk: nn.Module) -> Tuple[Tensor, ...]:
+        """The branch's parameters in ``blk``, read when a call needs them (no cache, so
         nothing of this block's becomes a guard in a compiled graph)."""
         params = tuple(p for m in module_paths for p in blk.get_submodule(m).parameters())
-        params += tuple(blk.get_parameter(p) for p in param_paths)
-        return [blk.get_submodule(p) for p in bn_paths], params
+        return params + tuple(blk.get_parameter(p) for p in param_paths)
 
     def call(blk: nn.Module, *args: Any) -> Tensor:
         base, inputs = (args[0], args[1:]) if residual else (None, args)
         settings = drop_settings(blk.get_submodule(dp_path))
-        bns, params = resolved(blk)
+        bns = [blk.get_submodule(p) for p in bn_paths]
+        params = functools.partial(parameters, blk)  # read only where a call ties them
         if (
             settings is None or not settings[1] or settings[0] == 0
             or (bns and blk.__dict__["_maskedbranch_timm"].batch_norm == "dense" and any(uses_batch_stats(m) for m in bns))
@@ -111,7 +112,7 @@ def slot_call(
         stateless = not any(uses_batch_stats(m) for m in bns)  # else: batch_norm="kept", training
         if residual:
             return add_residual(base, branch, p, True, mode, scale_by_keep, generator, "random", per_row, None,
-                                params, materialize, module=False, owner=blk, stateless=stateless)
+                                None, materialize, module=False, owner=blk, stateless=stateless, read_params=params)
         return masked(blk, lead, branch, p, mode, scale_by_keep, generator, per_row[1:], params, output, stateless)
 
     call.__name__ = call.__qualname__ = "drop_path_" + dp_path.replace(".", "_")
@@ -122,7 +123,7 @@ def masked(blk, x, branch, p, mode, scale_by_keep, generator, rest, params, outp
     """``drop_path(branch(x, *rest))`` without a residual: the branch runs on the kept rows,
     the dropped rows are zeros (timm's values, and zero gradients for the parameters). The
     draw is the residual forms' (maskedbranch/_draws.py); compiled, the forms are theirs
-    (maskedbranch/residual.py, ``compiled_form``)."""
+    (maskedbranch/residual.py, ``compiled_form``). ``params`` reads the branch's parameters."""
     keep = 1.0 - float(p)
     compiling = torch.compiler.is_compiling()
     if not compiling:
@@ -140,11 +141,12 @@ def masked(blk, x, branch, p, mode, scale_by_keep, generator, rest, params, outp
     else:
         gate, scale = _draws.host_routing_outside_graphs(mode, x.shape[0], keep, scale_by_keep, output[1], generator)
     tie = _unit.traced_mode(blk) if compiling else blk._unit.mode_here()  # the block's setting: zeros or none
+    params = params() if not compiling or tie is _unit.Mode.ALIASES else ()  # compiled, every branch is in the graph
     if not compiling and (gate == -1 if isinstance(gate, int) else not bool((gate >= 0).any())):
         out = torch.zeros((x.shape[0], *output[0]), dtype=output[1], device=x.device)
         return _route.tie_unrun(out, tie, params, (x, *rest))
     table = _structure.Branches([branch], params=[params])
-    return _route.route(table, x, gate, tuple(rest), {}, mode=tie, scale=scale, where="branch")[0]
+    return _route.route(table, x, gate, tuple(rest), {}, mode=tie, scale=scale, where="branch", drawn=True)[0]
 
 
 def check_branches(block: nn.Module, slots: Sequence[_graph.Slot], name: str) -> None:
