@@ -9,7 +9,7 @@ compiled model draws exactly as an eager one, and both compile whole.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, fx, nn
