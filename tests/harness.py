@@ -277,8 +277,12 @@ class Counting:
 
         self.compiled += 1
         self.code.append(str(gm.graph))
-        values = [n.meta["example_value"] for n in gm.graph.nodes if n.meta.get("example_value") is not None]
-        self.unbacked.append(set().union(*(free_unbacked_symbols(v) for v in values)))
+        def sizes(v) -> set:  # example values also hold other objects (torch 2.6: autograd contexts)
+            if isinstance(v, (list, tuple)):
+                return set().union(*(sizes(e) for e in v))
+            return set(free_unbacked_symbols(v)) if isinstance(v, (torch.Tensor, torch.SymInt)) else set()
+
+        self.unbacked.append(set().union(*(sizes(n.meta.get("example_value")) for n in gm.graph.nodes)))
         compiled = lookup_backend(self.inner)(gm, example_inputs)
 
         def run(*args):
