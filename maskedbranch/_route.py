@@ -341,9 +341,10 @@ def _as_mask(gate: Tensor, n: int) -> Tensor:
     return gate if gate.dtype == torch.bool else gate != 0
 
 
-def _padded_plan(gate: Tensor, n: int, offsets: Tensor, weights: Optional[Tensor], x: Tensor):
+def _padded_plan(gate: Tensor, n: int, offsets: Optional[Tensor], weights: Optional[Tensor], x: Tensor):
     """The plan of ``gate`` plus, for each branch that got no row, one entry of weight zero on
     row 0, and the weights that go with it; and which branches really ran (a bool tensor).
+    ``offsets``: those of the gate's own plan, or None (a drawn gate: the rows are counted here).
 
     Compiled code runs every branch, and a branch on zero rows fails in ways eager code never
     meets: ``reshape(B, ..., -1)`` cannot infer a size from no elements (Swin's attention), and

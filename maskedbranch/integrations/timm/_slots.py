@@ -83,7 +83,7 @@ def slot_call(
         base, inputs = (args[0], args[1:]) if residual else (None, args)
         settings = drop_settings(blk.get_submodule(dp_path))
         bns = [blk.get_submodule(p) for p in bn_paths]
-        params = functools.partial(parameters, blk)  # read only where a call ties them
+        read_params = functools.partial(parameters, blk)  # called only where a call ties them
         if (
             settings is None or not settings[1] or settings[0] == 0
             or (bns and blk.__dict__["_maskedbranch_timm"].batch_norm == "dense" and any(uses_batch_stats(m) for m in bns))
@@ -112,18 +112,18 @@ def slot_call(
         stateless = not any(uses_batch_stats(m) for m in bns)  # else: batch_norm="kept", training
         if residual:
             return add_residual(base, branch, p, True, mode, scale_by_keep, generator, "random", per_row, None,
-                                None, materialize, module=False, owner=blk, stateless=stateless, read_params=params)
-        return masked(blk, lead, branch, p, mode, scale_by_keep, generator, per_row[1:], params, output, stateless)
+                                None, materialize, module=False, owner=blk, stateless=stateless, read_params=read_params)
+        return masked(blk, lead, branch, p, mode, scale_by_keep, generator, per_row[1:], read_params, output, stateless)
 
     call.__name__ = call.__qualname__ = "drop_path_" + dp_path.replace(".", "_")
     return call
 
 
-def masked(blk, x, branch, p, mode, scale_by_keep, generator, rest, params, output, stateless=True) -> Tensor:
+def masked(blk, x, branch, p, mode, scale_by_keep, generator, rest, read_params, output, stateless=True) -> Tensor:
     """``drop_path(branch(x, *rest))`` without a residual: the branch runs on the kept rows,
     the dropped rows are zeros (timm's values, and zero gradients for the parameters). The
     draw is the residual forms' (maskedbranch/_draws.py); compiled, the forms are theirs
-    (maskedbranch/residual.py, ``compiled_form``). ``params`` reads the branch's parameters."""
+    (maskedbranch/residual.py, ``compiled_form``). ``read_params()`` gives the branch's parameters."""
     keep = 1.0 - float(p)
     compiling = torch.compiler.is_compiling()
     if not compiling:
@@ -141,7 +141,7 @@ def masked(blk, x, branch, p, mode, scale_by_keep, generator, rest, params, outp
     else:
         gate, scale = _draws.host_routing_outside_graphs(mode, x.shape[0], keep, scale_by_keep, output[1], generator)
     tie = _unit.traced_mode(blk) if compiling else blk._unit.mode_here()  # the block's setting: zeros or none
-    params = params() if not compiling or tie is _unit.Mode.ALIASES else ()  # compiled, every branch is in the graph
+    params = read_params() if not compiling or tie is _unit.Mode.ALIASES else ()  # compiled, every branch is in the graph
     if not compiling and (gate == -1 if isinstance(gate, int) else not bool((gate >= 0).any())):
         out = torch.zeros((x.shape[0], *output[0]), dtype=output[1], device=x.device)
         return _route.tie_unrun(out, tie, params, (x, *rest))
