@@ -37,26 +37,26 @@ _ORDER = torch.zeros(1, dtype=torch.int64)
 
 
 def traced_routing(mode: str, batch: Any, keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Tuple[Tensor, Any]:
-    """:func:`host_routing` inside a compiled graph: the gate as a tensor [B] (0 kept, -1
-    dropped, for the batch in "batch" mode) and the factor as a 0-d tensor (or 1.0)."""
+    """:func:`host_routing` inside a compiled graph: which rows are kept, a 0/1 tensor [B] (the
+    batch's one draw expanded in "batch" mode; the gate is ``keep - 1``), and the factor as a
+    0-d tensor (or 1.0)."""
     # The rate as a float64 tensor, made by a multiplication (which torch.compile keeps symbolic
     # when the rate is a symbolic float; torch.full((), rate) specializes it): a `float`
     # argument of the op was specialized and then served stale by the compile caches.
     rate = torch.ones((), dtype=torch.float64) * keep_prob
     keep = torch.ops.maskedbranch.keep_draw(_ORDER, batch if mode == "row" else 1, rate)
-    gate = keep.to(torch.int64) - 1
     if mode != "row":
-        gate = gate.expand(batch)
+        keep = keep.expand(batch)
     if not scale_by_keep or keep_prob == 0.0:
-        return gate, 1.0
-    return gate, torch.ones((), dtype=dtype) / keep_prob
+        return keep, 1.0
+    return keep, torch.ones((), dtype=dtype) / keep_prob
 
 
 def traced_keep(keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Tuple[Tensor, Any]:
     """The "batch" draw inside a compiled graph: whether the batch is kept, as a 0-d bool tensor
     (the draw of :func:`host_routing`), and the factor as in :func:`traced_routing`."""
-    gate, scale = traced_routing("batch", 1, keep_prob, scale_by_keep, dtype)
-    return gate.reshape(()) >= 0, scale
+    keep, scale = traced_routing("batch", 1, keep_prob, scale_by_keep, dtype)
+    return keep.reshape(()) != 0, scale
 
 
 def traced_mask(mode: str, batch: Any, keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Tensor:

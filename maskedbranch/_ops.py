@@ -156,6 +156,20 @@ def plan_and_offsets(gate: Tensor, num_branches: int, device=None, at_least_one:
     return Plan(counts, rows, row_offsets, row_branch, row_pos), offsets
 
 
+def kept_plan(mask: Tensor, device: torch.device) -> Plan:
+    """Under torch.compile: the plan of one branch fed the rows where ``mask`` (bool ``[B]``, at
+    least one true: the caller pads) holds, on ``device``. :func:`plan_and_offsets` of
+    ``mask[:, None]`` in fewer traced steps: its one count is the number of entries (one
+    data-dependent size)."""
+    _, rows, row_offsets, row_branch, row_pos = ops.plan(mask.unsqueeze(1), 1)
+    if mask.device != device:
+        rows, row_offsets, row_branch, row_pos = rows.to(device), row_offsets.to(device), row_branch.to(device), row_pos.to(device)
+    count = rows.shape[0]
+    torch._check(count >= 1)
+    torch._check(count <= mask.shape[0])
+    return Plan([count], rows, row_offsets, row_branch, row_pos)
+
+
 # ----------------------------------------------------------------------------------------------
 # Fake kernels: shapes, dtypes, devices and layouts as the real kernels produce them.
 

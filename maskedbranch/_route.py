@@ -362,6 +362,44 @@ def _padded_plan(gate: Tensor, n: int, offsets: Optional[Tensor], weights: Optio
     return plan, w, ~dead
 
 
+def drop_rows(branch: Callable, module: Optional[Any], x: Tensor, keep: Tensor, scale: Any, args: Tuple[Any, ...],
+              kwargs: Dict[str, Any], base: Optional[Tensor], where: str) -> Tuple[Tensor, Tensor]:
+    """A compiled drop path on its kept rows: what :func:`route` computes for one branch and the
+    draw ``keep`` (``[B]``, 1 where the row is kept, 0 where dropped), in the fewest traced steps
+    (each one costs compile time, per call): the plan of the kept rows, padded with row 0 when none
+    is (weight 0, as in :func:`_padded_plan`), the branch on them, and
+    ``base + scale * keep * y`` scattered back. ``module``: the module ``branch`` runs when it is
+    one (its buffers are carried, as in :func:`_run`; ``branch`` then has the residual's output
+    check), else None. Returns the output and whether the branch ran (a bool tensor ``[1]``).
+    Not for DDP's Python reducer (``Mode.ALIASES``), which takes :func:`route`."""
+    batch = x.shape[0]
+    live = keep != 0
+    ran = live.any()
+    rows = live | ((torch.arange(batch, device=live.device) == 0) & ~ran)
+    plan = _ops.kept_plan(rows, x.device)
+    count = plan.counts[0]
+    opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
+    weights = keep.to(device=x.device, dtype=opmath)  # 0 for a padded row
+    if isinstance(scale, Tensor):
+        weights = weights * scale.to(device=x.device, dtype=opmath)
+    elif scale != 1.0:
+        weights = weights * scale
+    h = _rows_of(x, plan)[0]
+    if args or kwargs:
+        args, kwargs = route_args(args, kwargs, batch, lambda t: _rows_of(t, plan)[0])
+    if module is not None:
+        y, pairs = _choice.call_carrying(module, h, args, kwargs)
+        y = branch.check(y, h) if branch is not module else y
+        _choice.write_back(pairs, ran)  # a padded row must not move a dead branch's statistics
+    else:
+        y = branch(h, *args, **kwargs)
+    y = check_output(y, where, count)
+    if base is not None and y.dtype != base.dtype:  # autocast: a low-precision branch on a float32 stream
+        dtype = torch.promote_types(y.dtype, base.dtype)
+        y, base = y.to(dtype), base.to(dtype)
+    return _autograd.combine([y], plan, weights=weights.unsqueeze(1), base=base), ran.reshape(1)
+
+
 def _exporting() -> bool:
     check = getattr(torch.compiler, "is_exporting", None)
     return bool(check is not None and check())

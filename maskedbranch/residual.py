@@ -103,7 +103,12 @@ def _residual(
             mask = _draws.traced_mask(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype)
             y = table.branches[0](x, *args, **kwargs)
             return x + y * mask.to(y.dtype).reshape((-1,) + (1,) * (y.dim() - 1)), (mask != 0).any().reshape(1)
-        gate, scale = _draws.traced_routing(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype)
+        keep, scale = _draws.traced_routing(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype)
+        if tie() is not Mode.ALIASES:
+            checked = table.branches[0]
+            return _route.drop_rows(checked, checked.branch if checked.is_module else None, x, keep, scale, args,
+                                    kwargs, x, "branch")
+        gate = keep.to(torch.int64) - 1
     else:  # a generator object cannot enter a graph: this draw runs eagerly (a graph break)
         gate, scale = _draws.host_routing_outside_graphs(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype, generator)
     return _route.route(table, x, gate, args, kwargs, mode=tie(), base=x, scale=scale, where="branch", wiring=wiring,

@@ -183,6 +183,50 @@ def test_a_drop_path_graph_has_one_plan_and_one_row_count():
     assert len(backend.unbacked[0]) == 1, backend.unbacked[0]
 
 
+def test_drop_path_routes_per_row_arguments_with_the_kept_rows():
+    """The compiled drop path's own routing (maskedbranch/_route.py, drop_rows) gives a per-row
+    argument the kept rows, as eager mode does; other arguments pass through."""
+    torch.manual_seed(0)
+
+    class Conditioned(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f, self.g = nn.Linear(D, D), nn.Linear(D, D)
+
+        def branch(self, h, c, gain):
+            return self.f(h) * torch.sigmoid(self.g(c)) * gain
+
+        def forward(self, x, c):
+            return mb.drop_add_residual(x, self.branch, 0.5, self.training, args=(c, 2.0))
+
+    assert_steps(Conditioned().train(), lambda s: (torch.randn(B, D, generator=torch.Generator().manual_seed(s)),))
+
+
+def test_row_drop_path_of_batch_norm_keeps_eager_statistics():
+    """A branch with BatchNorm in a row-mode drop path: compiled, it runs on copies of its buffers,
+    written back only when a row was kept (when none is, the branch still runs, on one padded
+    row of weight zero, which must not move the statistics): after every step the running
+    statistics equal eager mode's, including steps that dropped every row."""
+    torch.manual_seed(0)
+    eager = mb.ResidualDropPath(conv_bn(), 0.85).train()
+    twin = copy.deepcopy(eager)
+    backend = Counting()
+    compiled = torch.compile(twin, backend=backend, fullgraph=True)
+    x = torch.randn(B, 3, 4, 4)
+    skipped = 0
+    for step in range(STEPS):
+        before = int(eager.branch[1].num_batches_tracked)
+        want = run(eager, x, seed=step, params=list(eager.named_parameters()))
+        got = run(compiled, x, seed=step, params=list(twin.named_parameters()))
+        skipped += int(eager.branch[1].num_batches_tracked) == before
+        torch.testing.assert_close(got[0], want[0], **TIGHT)
+        assert_same_grads(got[1], want[1], none_is_zero=True, **TIGHT)
+        for name, b in eager.named_buffers():
+            torch.testing.assert_close(twin.get_buffer(name), b, **TIGHT, msg=f"step {step}, {name}")
+    assert 0 < skipped < STEPS, skipped  # both kinds of step were met
+    assert backend.compiled == 1 and not counters["graph_break"]
+
+
 @pytest.mark.parametrize("mode", ["row", "batch"])
 def test_drop_add_residual_and_drop_path_compile_whole(mode):
     torch.manual_seed(0)

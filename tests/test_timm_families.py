@@ -40,7 +40,10 @@ FLOAT32 = {
     "fastvit", "mobilenetv3", "efficientnet", "maxvit", "coatnet", "hiera", "convformer", "efficientformer", "pvt_v2",
     "focalnet", "edgenext", "tiny_vit", "poolformer",
 }
-TOL = {torch.float64: dict(rtol=1e-9, atol=1e-10), torch.float32: dict(rtol=2e-4, atol=2e-5)}
+# float32: the patched branch's gradients sum over the kept rows only, in another order than the
+# dense formula's sum over every row (zeros included); with AVX-512 kernels a bias gradient of
+# tiny_vit summed to 3.05e-5 away from timm's (its entries cancel to about 0.02).
+TOL = {torch.float64: dict(rtol=1e-9, atol=1e-10), torch.float32: dict(rtol=2e-4, atol=5e-5)}
 
 
 # The slowest families (about 4 s or more each on 2 cores) run in the full suite only.

@@ -137,7 +137,10 @@ def masked(blk, x, branch, p, mode, scale_by_keep, generator, rest, read_params,
             mask = _draws.traced_mask(mode, x.shape[0], keep, scale_by_keep, output[1])
             y = branch(x, *rest)
             return y * mask.to(y.dtype).reshape((-1,) + (1,) * (y.dim() - 1))
-        gate, scale = _draws.traced_routing(mode, x.shape[0], keep, scale_by_keep, output[1])
+        kept, scale = _draws.traced_routing(mode, x.shape[0], keep, scale_by_keep, output[1])
+        if _unit.traced_mode(blk) is not _unit.Mode.ALIASES:
+            return _route.drop_rows(branch, None, x, kept, scale, tuple(rest), {}, None, "branch")[0]
+        gate = kept.to(torch.int64) - 1
     else:
         gate, scale = _draws.host_routing_outside_graphs(mode, x.shape[0], keep, scale_by_keep, output[1], generator)
     tie = _unit.traced_mode(blk) if compiling else blk._unit.mode_here()  # the block's setting: zeros or none
