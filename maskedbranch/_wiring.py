@@ -97,7 +97,9 @@ def decide(unit: RoutingUnit, wrapper: Any) -> Mode:
     return wiring_for(wrapper).decide(unit)
 
 
-_unit.DATA_PARALLEL.decide = staticmethod(decide)
+# A plain function on the instance (not a staticmethod object: not callable before Python 3.10, and
+# a call Dynamo cannot trace, a graph break in every compiled call that decides).
+_unit.DATA_PARALLEL.decide = decide
 
 
 # ----------------------------------------------------------------------------------------------

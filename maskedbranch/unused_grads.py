@@ -56,7 +56,7 @@ def _created(unit: RoutingUnit) -> None:
     _wiring.watch_ddp_construction()
 
 
-_unit.DATA_PARALLEL.created = staticmethod(_created)
+_unit.DATA_PARALLEL.created = _created  # a plain function on the instance, as _wiring.py sets decide
 
 
 def _gone() -> None:

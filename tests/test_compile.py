@@ -183,6 +183,18 @@ def test_a_drop_path_graph_has_one_plan_and_one_row_count():
     assert len(backend.unbacked[0]) == 1, backend.unbacked[0]
 
 
+def test_the_data_parallel_seam_holds_plain_functions():
+    """maskedbranch/_wiring.py and unused_grads.py plug their functions into the routing units'
+    seam (``_unit.DATA_PARALLEL``) as plain functions: a staticmethod object stored on an
+    instance is not callable before Python 3.10, and Dynamo cannot trace a call of one (a graph
+    break in every compiled call that decides, as the transformers patch's layer loop does)."""
+    from maskedbranch import _unit
+
+    for name in ("decide", "created"):
+        f = _unit.DATA_PARALLEL.__dict__[name]
+        assert callable(f) and not isinstance(f, staticmethod), name
+
+
 def test_drop_path_routes_per_row_arguments_with_the_kept_rows():
     """The compiled drop path's own routing (maskedbranch/_route.py, drop_rows) gives a per-row
     argument the kept rows, as eager mode does; other arguments pass through."""
