@@ -12,10 +12,11 @@
 //
 // CUDA graphs: gather, combine and combine_weights_backward launch kernels only (more than 64
 // branches included: their pointer table is written by kernels, not copied from host memory),
-// so they can be captured with a plan made before capture. `plan` with a GPU gate reads the
+// so they can be captured with a plan made before capture; so do pick, pick_backward and put_. `plan` with a GPU gate reads the
 // counts back and refuses to run under capture.
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -67,6 +68,14 @@ TORCH_LIBRARY(maskedbranch, m) {
   // [B, N] in float32 (float64 for float64 inputs).
   m.def("combine_weights_backward(Tensor grad, Tensor[] ys, Tensor row_offsets, Tensor row_branch, "
         "Tensor row_pos) -> Tensor");
+  // A whole-batch choice's chosen branch (maskedbranch/_choice.py's stacked form): `tensors`
+  // holds k tensors per branch, branch after branch, and `index` (one integer) names the
+  // branch. pick: copies of its k tensors (contiguous). pick_backward: pick's gradient, the k
+  // `grads` for the chosen branch and zeros for the others, branch after branch. put_: writes
+  // `values` into its k tensors, nothing when index is -1 (no branch ran).
+  m.def("pick(Tensor[] tensors, Tensor index, int branches) -> Tensor[]");
+  m.def("pick_backward(Tensor[] grads, Tensor index, int branches) -> Tensor[]");
+  m.def("put_(Tensor(a!)[] tensors, Tensor index, int branches, Tensor[] values) -> ()");
   // Whether this build has CUDA kernels.
   m.def("with_cuda() -> bool", &maskedbranch::with_cuda);
   // How many threads the CPU kernels run on at the current torch thread count.
@@ -74,12 +83,38 @@ TORCH_LIBRARY(maskedbranch, m) {
 }
 
 // The formulas live in Python (maskedbranch/_autograd.py). Differentiating the raw ops
-// raises instead of silently giving no gradient.
+// raises instead of silently giving no gradient; pick's formula is registered on the op there.
 TORCH_LIBRARY_IMPL(maskedbranch, Autograd, m) {
-  for (const char* name : {"plan", "gather", "combine", "combine_weights_backward"}) {
+  for (const char* name : {"plan", "gather", "combine", "combine_weights_backward", "pick_backward"}) {
     m.impl(name, torch::autograd::autogradNotImplementedFallback());
   }
 }
+
+// put_ writes into its tensors: not differentiable, and their version counters move, as for any
+// in-place op (the generic fallback moves those of single mutable tensors, not of a list).
+namespace maskedbranch {
+namespace {
+void put_autograd(at::TensorList tensors, const at::Tensor& index, int64_t branches, at::TensorList values) {
+  if (at::GradMode::is_enabled()) {
+    for (size_t e = 0; e < tensors.size(); ++e)
+      TORCH_CHECK(!tensors[e].requires_grad(), "tensors[", e, "]: put_ writes into tensors that do not require grad ",
+                  "(it has no derivative)");
+    for (size_t j = 0; j < values.size(); ++j)
+      TORCH_CHECK(!values[j].requires_grad(), "values[", j, "]: put_ has no derivative (call it under no_grad)");
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("maskedbranch::put_", "")
+                               .typed<void(at::TensorList, const at::Tensor&, int64_t, at::TensorList)>();
+    op.call(tensors, index, branches, values);
+  }
+  for (const at::Tensor& t : tensors) torch::autograd::impl::bump_version(t);
+}
+}  // namespace
+}  // namespace maskedbranch
+
+TORCH_LIBRARY_IMPL(maskedbranch, Autograd, m) { m.impl("put_", &maskedbranch::put_autograd); }
 
 #ifndef MASKEDBRANCH_WITH_CUDA
 namespace maskedbranch {
@@ -95,7 +130,7 @@ void built_without_cuda(const c10::OperatorHandle& op, torch::jit::Stack*) {
 }  // namespace maskedbranch
 
 TORCH_LIBRARY_IMPL(maskedbranch, CUDA, m) {
-  for (const char* name : {"plan", "gather", "combine", "combine_weights_backward"}) {
+  for (const char* name : {"plan", "gather", "combine", "combine_weights_backward", "pick", "pick_backward", "put_"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&maskedbranch::built_without_cuda>());
   }
 }

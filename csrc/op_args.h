@@ -139,4 +139,55 @@ inline CombineArgs check_combine(const c10::optional<at::Tensor>& base, at::Tens
   return a;
 }
 
+// ---- pick, pick_backward, put_: the tensors of a whole-batch choice's chosen branch --------
+// `tensors` holds k tensors per branch, branch after branch; tensor j of every branch has the
+// shape and dtype of branch 0's and lives on its device. `index` names the branch.
+
+inline void check_choice_index(const at::Tensor& index, at::TensorList tensors) {
+  TORCH_CHECK_TYPE(at::isIntegralType(index.scalar_type(), /*includeBool=*/false),
+                   "index: expected an integer tensor (the chosen branch), got dtype ", index.scalar_type());
+  TORCH_CHECK_VALUE(index.numel() == 1, "index: expected one element (the chosen branch), got shape ",
+                    index.sizes());
+  if (!tensors.empty()) check_same_device(index, tensors[0], "index", "the tensors");
+}
+
+// k, the number of tensors per branch.
+inline int64_t check_branch_tensors(at::TensorList tensors, int64_t branches, const char* name) {
+  TORCH_CHECK_VALUE(branches >= 1, "branches: expected at least 1, got ", branches);
+  const int64_t total = static_cast<int64_t>(tensors.size());
+  TORCH_CHECK_VALUE(total % branches == 0, name, ": expected the same number of tensors for each of the ",
+                    branches, " branches, got ", total, " tensors");
+  const int64_t k = total / branches;
+  for (int64_t e = k; e < total; ++e) {
+    const at::Tensor& t = tensors[e];
+    const at::Tensor& first = tensors[e % k];
+    TORCH_CHECK_VALUE(t.sizes() == first.sizes() && t.scalar_type() == first.scalar_type(), name, "[", e,
+                      "] (branch ", e / k, ", tensor ", e % k, "): expected shape ", first.sizes(), " and dtype ",
+                      first.scalar_type(), " like branch 0's, got ", t.sizes(), " and ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.device() == tensors[0].device(), name, "[", e, "]: expected a tensor on ",
+                      tensors[0].device(), " like ", name, "[0], got one on ", t.device());
+  }
+  return k;
+}
+
+// put_'s values: one per tensor of a branch, each like branch 0's.
+inline void check_choice_values(at::TensorList values, at::TensorList tensors, int64_t k) {
+  TORCH_CHECK_VALUE(static_cast<int64_t>(values.size()) == k, "values: expected one tensor per tensor of a ",
+                    "branch (", k, "), got ", values.size());
+  for (int64_t j = 0; j < k; ++j) {
+    TORCH_CHECK_VALUE(values[j].sizes() == tensors[j].sizes() && values[j].scalar_type() == tensors[j].scalar_type(),
+                      "values[", j, "]: expected shape ", tensors[j].sizes(), " and dtype ", tensors[j].scalar_type(),
+                      " like tensors[", j, "], got ", values[j].sizes(), " and ", values[j].scalar_type());
+    TORCH_CHECK_VALUE(values[j].device() == tensors[j].device(), "values[", j, "]: expected a tensor on ",
+                      tensors[j].device(), " like tensors[", j, "], got one on ", values[j].device());
+  }
+}
+
+// The host's check of an index read back (CPU kernels): -1 (no branch) only where allowed.
+inline int64_t checked_choice(int64_t i, int64_t branches, bool allow_none) {
+  TORCH_CHECK_VALUE((allow_none ? i >= -1 : i >= 0) && i < branches, "index: expected a branch in [",
+                    allow_none ? -1 : 0, ", ", branches, "), got ", i);
+  return i;
+}
+
 }  // namespace maskedbranch

@@ -11,6 +11,9 @@ maskedbranch/_compat.py). Both forms run the same code.
 * :class:`Combine`: ``(base, weights, ys) -> base + sum_i w_i * scatter(y_i)``; backward: gather
   (and the weights' gradient). Parameters passed after ``ys`` are *tied* into the graph.
 * :class:`Tie`: a copy of ``x`` with further tensors tied into the graph.
+* ``maskedbranch::pick``: ``tensors of every branch -> the chosen branch's``; backward: the
+  gradient to the chosen branch's tensors, zeros to the others' (a compiled whole-batch choice,
+  maskedbranch/_choice.py), registered on the op (below).
 
 Tied tensors (the parameters of branches that did not run) receive an undefined gradient, or
 zeros when ``zeros`` is set (docs/design.md, "Dead parameters").
@@ -189,6 +192,29 @@ class Alias(Function):
         return grads
 
 
+# pick's formula is registered on the op itself (torch.library.register_autograd): only compiled
+# graphs call it (the stacked choices of maskedbranch/_choice.py), where the per-call cost of the
+# registration does not exist, while Dynamo's trace of a Function's arguments did (a third of the
+# instructions of a 6 x 4 conv supernet's choices).
+
+
+def _pick_setup_context(ctx, inputs, output):
+    _, index, branches = inputs
+    ctx.save_for_backward(index)
+    ctx.branches = branches
+    ctx.meta = [(t.shape, t.dtype, t.device) for t in output]
+
+
+def _pick_backward(ctx, grads):
+    (index,) = ctx.saved_tensors
+    grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+             for g, (shape, dtype, device) in zip(grads, ctx.meta)]
+    return ops.pick_backward(grads, index, ctx.branches), None, None
+
+
+torch.library.register_autograd("maskedbranch::pick", _pick_backward, setup_context=_pick_setup_context)
+
+
 # ----------------------------------------------------------------------------------------------
 # Differentiable calls with the plan as one object.
 
@@ -216,3 +242,4 @@ def tie(x: Tensor, tied: Sequence[Tensor], zeros: Union[bool, int] = False) -> T
 
 def alias(x: Tensor, params: Sequence[Tensor]) -> Tuple[Tensor, ...]:
     return Alias.route(x, *params)
+

@@ -8,11 +8,12 @@ A table's form is picked once, while torch.compile traces (:func:`form_while_tra
 the unit; maskedbranch/_unit.py):
 
 * ``STACKED``: every branch has the same structure (class, plain attributes, parameter and
-  buffer names, shapes, dtypes and devices, in every submodule; :func:`structure_key`). Each
-  parameter is stacked over the branches and the chosen slice is picked with ``index_select``;
-  the first branch's code runs on it through ``torch.func.functional_call``. No control flow,
-  static shapes, any torch version; the cost is a copy of the branches' parameters per call
-  (and their gradients, zeros for the others, in the backward). It compiles fastest.
+  buffer names, shapes, dtypes and devices, in every submodule; :func:`structure_key`). The
+  chosen branch's parameters and buffers are copied out by one op each (``maskedbranch::pick``,
+  the index read on the device) and the first branch's code runs on them through
+  ``torch.func.functional_call``. No control flow, static shapes, any torch version; the cost
+  is a copy of the chosen branch's parameters per call (and, in the backward, zero gradients
+  for the others'). It compiles fastest.
 * ``CONDS``: one ``torch.cond`` per branch (``gate == k``), one after the other, none nested
   (nested conds are traced again at every level). Cond k runs branch k or passes the running
   output through (a copy: cond's outputs may not alias its inputs). torch >= 2.13
@@ -25,8 +26,8 @@ the unit; maskedbranch/_unit.py):
 Buffers cross ``torch.cond`` and the stacked call as copies: each branch runs through
 ``torch.func.functional_call`` with copies of its buffers (what BatchNorm updates in place), the
 copies leave the cond (integer ones as float64: an integer output of a cond fails its autograd,
-torch 2.14.1) and are copied back into the buffers after it; the stacked form writes back
-``torch.where(gate == i, new, old)``. :func:`call_carrying` does the same for the routed rows
+torch 2.14.1) and are copied back into the buffers after it; the stacked form writes them
+into the chosen branch's buffers only (``maskedbranch::put_``). :func:`call_carrying` does the same for the routed rows
 (maskedbranch/_route.py), whose padded rows must not update a dead branch's statistics.
 Activations and parameters enter a cond 2-D (:func:`_rows`), in the one layout a compiler
 cannot change.
@@ -40,7 +41,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from . import _compat, _unit
+from . import _autograd, _compat, _unit  # noqa: F401 - _autograd registers pick's formula
+from ._ops import ops
 
 COND_TORCH = "2.13"  # torch.cond with buffers carried, in training: tested on 2.13.0 and 2.14.1
 
@@ -201,13 +203,6 @@ def check_id(gate: Tensor, n: int) -> Tensor:
     return torch.arange(-1, n, dtype=torch.int64, device=gate.device).index_select(0, (gate + 1).reshape(1)).reshape(())
 
 
-def _pick(tensors: Sequence[Tensor], idx: Tensor) -> Tensor:
-    """``tensors[idx]`` (``idx``: a 1-element int64 tensor), as a row of a 2-D stack: picked from
-    a stack of 4-D convolution weights, torch 2.13's CPU inductor (layout optimization on) gave
-    the picked weight's gradient wrongly to the stack."""
-    return torch.stack(tensors).reshape(len(tensors), -1).index_select(0, idx).reshape(tensors[0].shape)
-
-
 @torch.compiler.assume_constant_result
 def _state_names(key: int) -> Tuple[tuple, tuple]:
     """The parameter and buffer names of the first branch of routing module ``key`` (by id), each
@@ -223,37 +218,65 @@ def _state_names(key: int) -> Tuple[tuple, tuple]:
     return split(first.named_parameters()), split(first.named_buffers())
 
 
-def _tensor_at(module: nn.Module, path: Tuple[str, ...], name: str, kind: str) -> Tensor:
-    for p in path:
-        module = module._modules[p]
-    return getattr(module, kind)[name]
+def _call_swapped(module: nn.Module, param_names: tuple, buffer_names: tuple, state: Dict[str, Tensor], x: Tensor,
+                  args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``module(x, *args, **kwargs)`` with its parameters and buffers (by the names of
+    :func:`_state_names`) replaced by ``state``'s tensors for the call: what
+    ``torch.func.functional_call`` does, in a few traced steps per tensor (Dynamo walked
+    functional_call's own search of the module's tensors, about 4,700 instructions a layer of
+    a conv + BatchNorm branch)."""
+    swapped = []
+    for names, kind in ((param_names, "_parameters"), (buffer_names, "_buffers")):
+        for path, name, full in names:
+            owner = module
+            for p in path:
+                owner = owner._modules[p]
+            table = getattr(owner, kind)
+            swapped.append((table, name, table[name]))
+            table[name] = state[full]
+    try:
+        return module(x, *args, **kwargs)
+    finally:
+        for table, name, old in reversed(swapped):
+            table[name] = old
 
 
 def stacked(owner: nn.Module, branches: Sequence[nn.Module], x: Tensor, gate: Tensor, args: Tuple[Any, ...],
             kwargs: Dict[str, Any], nonnegative: bool = False) -> Tensor:
-    """The chosen branch's parameters and buffer copies, picked from stacks over the branches
-    (``owner``'s), run through the first branch's code; zeros for -1 unless the gate is known to
-    be ``nonnegative`` (an int >= 0). Buffers written back for the chosen one.
+    """The chosen branch's parameters and buffer copies (``maskedbranch::pick``: one op for all
+    of a table's parameters, one for its buffers), run through the first branch's code; zeros for
+    -1 unless the gate is known to be ``nonnegative`` (an int >= 0). The buffers are written back
+    into the chosen branch's (``maskedbranch::put_``, nothing for -1).
+
+    The ops are opaque to the compiler: a stack and an ``index_select`` per tensor, and a
+    ``torch.where`` per branch and buffer for the write-back, were nodes that inductor fused
+    into the branch's kernels and indexed indirectly (a 6 x 4 convolution supernet with
+    BatchNorm: 494 IR nodes against 129 for one path, most of its compile time).
 
     The zeros for -1 are a ``torch.where`` on the output, which costs more than its own pass:
     the branch's last activation is then no longer the next layer's input, and inductor saves a
     mask for its backward (a 6 x 4 convolution supernet with ReLU ran 1.4x slower compiled)."""
     first = branches[0]
+    n = len(branches)
     param_names, buffer_names = _state_names(id(owner))
-    params = [[_tensor_at(b, path, name, "_parameters") for path, name, _ in param_names] for b in branches]
-    buffers = [[_tensor_at(b, path, name, "_buffers") for path, name, _ in buffer_names] for b in branches]
-    device = params[0][0].device if param_names else buffers[0][0].device if buffer_names else x.device
-    idx = (gate if nonnegative else torch.where(gate < 0, torch.zeros_like(gate), gate)).to(device).reshape(1)
-    state = {full: _pick([p[j] for p in params], idx) for j, (_, _, full) in enumerate(param_names)}
-    picked = [_pick([b[j] for b in buffers], idx) for j in range(len(buffer_names))]
-    state.update((full, t) for (_, _, full), t in zip(buffer_names, picked))
-    y = torch.func.functional_call(first, state, (x, *args), kwargs, strict=False)
-    if picked:
+    params: List[Tensor] = []
+    buffers: List[Tensor] = []
+    for b in branches:  # loops, not calls: each call Dynamo inlines costs it a frame
+        for names, kind, out in ((param_names, "_parameters", params), (buffer_names, "_buffers", buffers)):
+            for path, name, _ in names:
+                m = b
+                for p in path:
+                    m = m._modules[p]
+                out.append(getattr(m, kind)[name])
+    device = params[0].device if params else buffers[0].device if buffers else x.device
+    idx = (gate if nonnegative else torch.where(gate < 0, torch.zeros_like(gate), gate)).to(device)
+    state = dict(zip((full for _, _, full in param_names), ops.pick(params, idx, n))) if params else {}
+    picked = ops.pick(buffers, idx, n) if buffers else []
+    state.update(zip((full for _, _, full in buffer_names), picked))
+    y = _call_swapped(first, param_names, buffer_names, state, x, args, kwargs)
+    if buffers:
         with torch.no_grad():
-            for i, b in enumerate(buffers):
-                chosen = (gate == i).to(device)
-                for t, new in zip(b, picked):
-                    t.copy_(torch.where(chosen, new, t))
+            ops.put_(buffers, gate.to(device), n, picked)
     if nonnegative or not isinstance(y, Tensor):
         return y
     return torch.where((gate >= 0).to(y.device), y, torch.zeros((), dtype=y.dtype, device=y.device))

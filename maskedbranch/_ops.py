@@ -6,7 +6,10 @@ The ops, in the order data flows through a masked layer (docs/design.md):
 * ``plan``: gate -> routing plan (CSR by branch and by row), see :func:`make_plan`;
 * ``gather``: each branch's rows of x, one new tensor per branch (optionally weighted);
 * ``combine``: ``out = base + sum_i w[:, i] * y_i`` read from the per-branch outputs;
-* ``combine_weights_backward``: the gradient of combine's weights.
+* ``combine_weights_backward``: the gradient of combine's weights;
+* ``pick`` / ``pick_backward`` / ``put_``: a compiled whole-batch choice's chosen branch, its
+  tensors read out (copies), their gradient (zeros for the other branches), its buffers written
+  back (maskedbranch/_choice.py).
 
 gather and combine are each other's adjoint; their autograd formulas live in
 maskedbranch/_autograd.py.
@@ -283,6 +286,41 @@ def _combine_fake(base, ys, weights, row_offsets, row_branch, row_pos):
 def _combine_weights_backward_fake(grad, ys, row_offsets, row_branch, row_pos):
     dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
     return grad.new_empty((row_offsets.shape[0] - 1, len(ys)), dtype=dtype)
+
+
+def _per_branch(tensors, branches: int, name: str) -> int:
+    """k, the tensors per branch (checked as the kernels check it)."""
+    if branches < 1:
+        raise ValueError(f"branches: expected at least 1, got {branches}")
+    if len(tensors) % branches:
+        raise ValueError(f"{name}: expected the same number of tensors for each of the {branches} branches, "
+                         f"got {len(tensors)} tensors")
+    return len(tensors) // branches
+
+
+def _contiguous_like(t: Tensor) -> Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+@torch.library.register_fake("maskedbranch::pick")
+def _pick_fake(tensors, index, branches):
+    k = _per_branch(tensors, branches, "tensors")
+    return [_contiguous_like(t) for t in tensors[:k]]
+
+
+@torch.library.register_fake("maskedbranch::pick_backward")
+def _pick_backward_fake(grads, index, branches):
+    if branches < 1:
+        raise ValueError(f"branches: expected at least 1, got {branches}")
+    return [_contiguous_like(g) for _ in range(branches) for g in grads]
+
+
+@torch.library.register_fake("maskedbranch::put_")
+def _put_fake(tensors, index, branches, values):
+    if _per_branch(tensors, branches, "tensors") != len(values):
+        raise ValueError(f"values: expected one tensor per tensor of a branch ({len(tensors) // branches}), "
+                         f"got {len(values)}")
+    return None
 
 
 @torch.library.register_fake("maskedbranch::keep_draw")

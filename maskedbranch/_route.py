@@ -305,14 +305,16 @@ def whole_batch_gate(gate: Any, x: Tensor, n: int) -> Optional[Tuple[Tensor, Any
     return (torch.full((), k, dtype=torch.int64), k) if kind == "int" else None
 
 
-def choose(owner: Any, table: Branches, x: Tensor, gate: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+def choose(owner: Any, branches: Sequence[Any], x: Tensor, gate: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
            mode: Mode) -> Optional[Tuple[Tensor, Tensor]]:
-    """A compiled whole-batch choice of ``owner``'s branches (MaskedBranch): (output, which
+    """A compiled whole-batch choice of ``owner``'s ``branches`` (MaskedBranch): (output, which
     branches ran as a bool tensor [N]), or None where the routed rows run instead (other gates,
-    extra arguments, DDP's Python reducer, torch.export, a form that does not apply)."""
+    extra arguments, DDP's Python reducer, torch.export, a form that does not apply). It needs
+    no branch table: building one reads every branch's parameters, which Dynamo traced at every
+    call (a third of a 6 x 4 conv supernet's traced instructions)."""
     if args or kwargs or mode is Mode.ALIASES or _exporting() or not hasattr(torch.compiler, "is_exporting"):
         return None  # (torch 2.6 cannot tell an export from a compile: the routed rows, right in both)
-    n = len(table.branches)
+    n = len(branches)
     found = whole_batch_gate(gate, x, n)
     if found is None:
         return None
@@ -320,12 +322,12 @@ def choose(owner: Any, table: Branches, x: Tensor, gate: Any, args: Tuple[Any, .
     form = _choice.form_while_tracing(id(owner))
     if form == _choice.STACKED:
         # An int >= 0 needs no zeros for -1 (a symbolic one guards on its sign: -1 is a graph of its own).
-        out = _choice.stacked(owner, table.branches, x, g, args, kwargs, nonnegative=k is not None and bool(k >= 0))
+        out = _choice.stacked(owner, branches, x, g, args, kwargs, nonnegative=k is not None and bool(k >= 0))
     elif form == _choice.CONDS:
         sig = _choice.traced_signature(owner, x)
         if sig is None:
             return None
-        out = _choice.conds(table.branches, x, g, args, kwargs, sig[:2], sig[2])
+        out = _choice.conds(branches, x, g, args, kwargs, sig[:2], sig[2])
     else:
         return None
     return out, torch.arange(n, dtype=torch.int64) == g.to("cpu")

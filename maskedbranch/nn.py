@@ -149,7 +149,7 @@ class MaskedBranch(_structure.RoutingModuleList):
         if unit.signatures is None and not compiling:
             unit.signatures = Signatures()
         if compiling:
-            chosen = _route.choose(self, self._branches(), x, gate, args, kwargs, mode)
+            chosen = _route.choose(self, list(self._modules.values()), x, gate, args, kwargs, mode)
             if chosen is not None:  # an int or 0-d gate: the chosen branch alone, in one graph
                 _route.record(unit, chosen[1])
                 return chosen[0]

@@ -106,6 +106,32 @@ def combine_weights_backward(
     return out
 
 
+def pick(tensors: Sequence[Tensor], index: Tensor, branches: int) -> List[Tensor]:
+    """Reference of ``maskedbranch::pick``: copies (contiguous) of the chosen branch's tensors;
+    ``tensors`` holds k per branch, branch after branch."""
+    k = len(tensors) // branches
+    i = int(index.reshape(()))
+    return [t.clone(memory_format=torch.contiguous_format) for t in tensors[i * k:(i + 1) * k]]
+
+
+def pick_backward(grads: Sequence[Tensor], index: Tensor, branches: int) -> List[Tensor]:
+    """Reference of ``maskedbranch::pick_backward``: ``grads`` for the chosen branch, zeros for
+    the others, branch after branch (contiguous)."""
+    i = int(index.reshape(()))
+    return [(g.clone(memory_format=torch.contiguous_format) if b == i else torch.zeros_like(g, memory_format=torch.contiguous_format))
+            for b in range(branches) for g in grads]
+
+
+def put_(tensors: Sequence[Tensor], index: Tensor, branches: int, values: Sequence[Tensor]) -> None:
+    """Reference of ``maskedbranch::put_``: ``values`` written into the chosen branch's tensors;
+    nothing for index -1."""
+    k = len(values)
+    i = int(index.reshape(()))
+    if i >= 0:
+        for t, v in zip(tensors[i * k:(i + 1) * k], values):
+            t.copy_(v)
+
+
 def masked_branch_dense(
     branches: Sequence[Callable[[Tensor], Tensor]], x: Tensor, gate, num_branches: Optional[int] = None
 ) -> Tensor:

@@ -24,5 +24,11 @@ at::Tensor combine_cuda(const c10::optional<at::Tensor>& base, at::TensorList ys
 at::Tensor combine_weights_backward_cuda(const at::Tensor& grad, at::TensorList ys, const at::Tensor& row_offsets,
                                          const at::Tensor& row_branch, const at::Tensor& row_pos);
 
+std::vector<at::Tensor> pick_cuda(at::TensorList tensors, const at::Tensor& index, int64_t branches);
+
+std::vector<at::Tensor> pick_backward_cuda(at::TensorList grads, const at::Tensor& index, int64_t branches);
+
+void put_cuda(at::TensorList tensors, const at::Tensor& index, int64_t branches, at::TensorList values);
+
 }  // namespace cuda
 }  // namespace maskedbranch

@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 NAME = "maskedbranch_cuda_emu"
 SOURCES = ["cuda_emulation.cpp", "cuda_emulation_device.cpp", "emulated_ops.cpp", "emulated_plan.cpp",
-           "emulated_gather.cpp", "emulated_combine.cpp", "selftest_kernels.cpp"]
+           "emulated_gather.cpp", "emulated_combine.cpp", "emulated_pick.cpp", "selftest_kernels.cpp"]
 # No FMA contraction: the kernels' products must round as __fmul_rn does on the device.
 # No strict aliasing: the kernels read rows through 16-byte vector structs, as CUDA allows.
 FLAGS = ["-O2", "-g", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-unknown-pragmas"]

@@ -57,6 +57,9 @@ TORCH_LIBRARY(maskedbranch_cuda_emu, m) {
         "Tensor row_pos) -> Tensor");
   m.def("combine_weights_backward(Tensor grad, Tensor[] ys, Tensor row_offsets, Tensor row_branch, "
         "Tensor row_pos) -> Tensor");
+  m.def("pick(Tensor[] tensors, Tensor index, int branches) -> Tensor[]");
+  m.def("pick_backward(Tensor[] grads, Tensor index, int branches) -> Tensor[]");
+  m.def("put_(Tensor(a!)[] tensors, Tensor index, int branches, Tensor[] values) -> ()");
   m.def("set_schedule(str name, int seed) -> ()", &set_schedule);
   m.def("set_limits(int grid_blocks, int int32_plan_entries) -> ()", &set_limits);
   m.def("kernels() -> str[]", &kernels);
@@ -68,5 +71,8 @@ TORCH_LIBRARY_IMPL(maskedbranch_cuda_emu, CPU, m) {
   m.impl("gather", &maskedbranch::cuda::gather_cuda);
   m.impl("combine", &maskedbranch::cuda::combine_cuda);
   m.impl("combine_weights_backward", &maskedbranch::cuda::combine_weights_backward_cuda);
+  m.impl("pick", &maskedbranch::cuda::pick_cuda);
+  m.impl("pick_backward", &maskedbranch::cuda::pick_backward_cuda);
+  m.impl("put_", &maskedbranch::cuda::put_cuda);
   m.impl("selftest", &mbemu_selftest::selftest);
 }

@@ -19,7 +19,7 @@ def selftest(name, n=256, dtype=torch.int64):
     return out
 
 
-@pytest.mark.parametrize("op", ["plan", "gather", "combine", "combine_weights_backward"])
+@pytest.mark.parametrize("op", ["plan", "gather", "combine", "combine_weights_backward", "pick", "pick_backward", "put_"])
 def test_schemas_equal_the_library_ones(op):
     real = str(getattr(cpu, op).default._schema)
     emulated = str(getattr(emu, op).default._schema)
