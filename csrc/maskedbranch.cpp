@@ -15,6 +15,8 @@
 // so they can be captured with a plan made before capture; so do pick, pick_backward and put_. `plan` with a GPU gate reads the
 // counts back and refuses to run under capture.
 #include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
