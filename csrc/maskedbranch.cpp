@@ -85,9 +85,9 @@ TORCH_LIBRARY(maskedbranch, m) {
 }
 
 // The formulas live in Python (maskedbranch/_autograd.py). Differentiating the raw ops
-// raises instead of silently giving no gradient; pick's formula is registered on the op there.
+// raises instead of silently giving no gradient.
 TORCH_LIBRARY_IMPL(maskedbranch, Autograd, m) {
-  for (const char* name : {"plan", "gather", "combine", "combine_weights_backward", "pick_backward"}) {
+  for (const char* name : {"plan", "gather", "combine", "combine_weights_backward", "pick", "pick_backward"}) {
     m.impl(name, torch::autograd::autogradNotImplementedFallback());
   }
 }

@@ -11,9 +11,9 @@ maskedbranch/_compat.py). Both forms run the same code.
 * :class:`Combine`: ``(base, weights, ys) -> base + sum_i w_i * scatter(y_i)``; backward: gather
   (and the weights' gradient). Parameters passed after ``ys`` are *tied* into the graph.
 * :class:`Tie`: a copy of ``x`` with further tensors tied into the graph.
-* ``maskedbranch::pick``: ``tensors of every branch -> the chosen branch's``; backward: the
-  gradient to the chosen branch's tensors, zeros to the others' (a compiled whole-batch choice,
-  maskedbranch/_choice.py), registered on the op (below).
+* :class:`Pick`: ``(index, *tensors of every branch) -> the chosen branch's tensors``; backward:
+  the gradient to the chosen branch's tensors, zeros to the others' (a compiled whole-batch
+  choice, maskedbranch/_choice.py).
 
 Tied tensors (the parameters of branches that did not run) receive an undefined gradient, or
 zeros when ``zeros`` is set (docs/design.md, "Dead parameters").
@@ -192,27 +192,28 @@ class Alias(Function):
         return grads
 
 
-# pick's formula is registered on the op itself (torch.library.register_autograd): only compiled
-# graphs call it (the stacked choices of maskedbranch/_choice.py), where the per-call cost of the
-# registration does not exist, while Dynamo's trace of a Function's arguments did (a third of the
-# instructions of a 6 x 4 conv supernet's choices).
+@_two_forms
+class Pick(Function):
+    """``apply(index, branches, *tensors)`` -> copies of the chosen branch's tensors
+    (``tensors``: k per branch, branch after branch); backward: the gradient to the chosen
+    branch's tensors, zeros to the others'. Only compiled graphs call it (the stacked choices of
+    maskedbranch/_choice.py), where the op runs without a Python autograd kernel: one
+    registered on the op (``torch.library.register_autograd``) cost every compiled call of it
+    about 5 us."""
 
+    @staticmethod
+    def forward(index, branches, *tensors):
+        return tuple(ops.pick(list(tensors), index, branches))
 
-def _pick_setup_context(ctx, inputs, output):
-    _, index, branches = inputs
-    ctx.save_for_backward(index)
-    ctx.branches = branches
-    ctx.meta = [(t.shape, t.dtype, t.device) for t in output]
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.branches = inputs[1]
 
-
-def _pick_backward(ctx, grads):
-    (index,) = ctx.saved_tensors
-    grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-             for g, (shape, dtype, device) in zip(grads, ctx.meta)]
-    return ops.pick_backward(grads, index, ctx.branches), None, None
-
-
-torch.library.register_autograd("maskedbranch::pick", _pick_backward, setup_context=_pick_setup_context)
+    @staticmethod
+    def backward(ctx, *grads):
+        (index,) = ctx.saved_tensors
+        return (None, None, *ops.pick_backward(list(grads), index, ctx.branches))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,3 +244,6 @@ def tie(x: Tensor, tied: Sequence[Tensor], zeros: Union[bool, int] = False) -> T
 def alias(x: Tensor, params: Sequence[Tensor]) -> Tuple[Tensor, ...]:
     return Alias.route(x, *params)
 
+
+def pick(tensors: Sequence[Tensor], index: Tensor, branches: int) -> Tuple[Tensor, ...]:
+    return Pick.route(index, branches, *tensors)

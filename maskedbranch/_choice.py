@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from . import _autograd, _compat, _unit  # noqa: F401 - _autograd registers pick's formula
+from . import _autograd, _compat, _unit
 from ._ops import ops
 
 COND_TORCH = "2.13"  # torch.cond with buffers carried, in training: tested on 2.13.0 and 2.14.1
@@ -224,7 +224,8 @@ def _call_swapped(module: nn.Module, param_names: tuple, buffer_names: tuple, st
     :func:`_state_names`) replaced by ``state``'s tensors for the call: what
     ``torch.func.functional_call`` does, in a few traced steps per tensor (Dynamo walked
     functional_call's own search of the module's tensors, about 4,700 instructions a layer of
-    a conv + BatchNorm branch)."""
+    a conv + BatchNorm branch). A cond's branches keep functional_call: Dynamo refuses a cond
+    branch that writes into a module outside it, and lets functional_call's writes through."""
     swapped = []
     for names, kind in ((param_names, "_parameters"), (buffer_names, "_buffers")):
         for path, name, full in names:
@@ -270,7 +271,7 @@ def stacked(owner: nn.Module, branches: Sequence[nn.Module], x: Tensor, gate: Te
                 out.append(getattr(m, kind)[name])
     device = params[0].device if params else buffers[0].device if buffers else x.device
     idx = (gate if nonnegative else torch.where(gate < 0, torch.zeros_like(gate), gate)).to(device)
-    state = dict(zip((full for _, _, full in param_names), ops.pick(params, idx, n))) if params else {}
+    state = dict(zip((full for _, _, full in param_names), _autograd.pick(params, idx, n))) if params else {}
     picked = ops.pick(buffers, idx, n) if buffers else []
     state.update(zip((full for _, _, full in buffer_names), picked))
     y = _call_swapped(first, param_names, buffer_names, state, x, args, kwargs)

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from maskedbranch import reference
+from maskedbranch import _autograd, reference
 
 ops = torch.ops.maskedbranch
 
@@ -93,19 +93,19 @@ def test_pick_gradcheck(device):
     tensors = [torch.randn(shape, generator=gen, dtype=torch.float64).to(device).requires_grad_()
                for _ in range(3) for shape in [(2, 3), (4,)]]
     for i in range(3):
-        assert torch.autograd.gradcheck(lambda *ts: tuple(ops.pick(list(ts), index(i, device), 3)), tensors)
-        grads = torch.autograd.grad(sum(t.sum() * (j + 1) for j, t in enumerate(ops.pick(tensors, index(i, device), 3))),
+        assert torch.autograd.gradcheck(lambda *ts: _autograd.pick(ts, index(i, device), 3), tensors)
+        grads = torch.autograd.grad(sum(t.sum() * (j + 1) for j, t in enumerate(_autograd.pick(tensors, index(i, device), 3))),
                                     tensors)
         for e, g in enumerate(grads):
             want = torch.full_like(tensors[e], e % 2 + 1.0) if e // 2 == i else torch.zeros_like(tensors[e])
             assert torch.equal(g, want)
 
 
-def test_pick_backward_and_put_are_not_differentiable(device):
+def test_raw_ops_are_not_differentiable(device):
     tensors = [torch.ones(2, device=device, requires_grad=True) for _ in range(2)]
-    grads = ops.pick_backward(tensors[:1], index(1, device), 2)
-    with pytest.raises(RuntimeError, match="not implemented|does not require grad"):
-        sum(g.sum() for g in grads).backward()
+    for out in (ops.pick(tensors, index(1, device), 2), ops.pick_backward(tensors[:1], index(1, device), 2)):
+        with pytest.raises(RuntimeError, match="not implemented|does not require grad"):
+            sum(g.sum() for g in out).backward()
     with pytest.raises(RuntimeError, match=r"tensors\[0\]: put_ writes into tensors that do not require grad"):
         ops.put_(tensors, index(1, device), 2, [torch.zeros(2, device=device)])
     targets = [torch.zeros(2, device=device) for _ in range(2)]

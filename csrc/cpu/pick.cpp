@@ -2,15 +2,33 @@
 // out, given their gradient, and written back (maskedbranch/_choice.py's stacked form). The
 // index is read on the host and checked there. Outputs are new contiguous tensors (their
 // layout never depends on the inputs' strides, so the fake kernels need none).
+#include <ATen/Dispatch.h>
 #include <torch/library.h>
+
+#include <cstring>
 
 #include "../op_args.h"
 
 namespace maskedbranch {
 namespace {
 
+// The index read where it lies (one element: its data pointer is the element), without the
+// dispatcher calls of item().
 int64_t read_choice(const at::Tensor& index, int64_t branches, bool allow_none) {
-  return checked_choice(index.reshape({}).item<int64_t>(), branches, allow_none);
+  int64_t i = 0;
+  AT_DISPATCH_INTEGRAL_TYPES(index.scalar_type(), "maskedbranch_pick_index",
+                             [&] { i = static_cast<int64_t>(*index.const_data_ptr<scalar_t>()); });
+  return checked_choice(i, branches, allow_none);
+}
+
+// dst = src (dst contiguous, same shape and dtype): a memcpy when src is contiguous too. These
+// tensors are a branch's parameters, often tiny, where copy_'s dispatch costs more than the copy.
+void copy_into(at::Tensor& dst, const at::Tensor& src) {
+  if (src.is_contiguous() && dst.is_contiguous()) {
+    if (src.numel() > 0) std::memcpy(dst.data_ptr(), src.const_data_ptr(), src.nbytes());
+  } else {
+    dst.copy_(src);
+  }
 }
 
 std::vector<at::Tensor> pick_cpu(at::TensorList tensors, const at::Tensor& index, int64_t branches) {
@@ -22,7 +40,7 @@ std::vector<at::Tensor> pick_cpu(at::TensorList tensors, const at::Tensor& index
   for (int64_t j = 0; j < k; ++j) {
     const at::Tensor& src = tensors[i * k + j];
     out.push_back(at::empty(src.sizes(), src.options().memory_format(at::MemoryFormat::Contiguous)));
-    out.back().copy_(src);
+    copy_into(out.back(), src);
   }
   return out;
 }
@@ -37,9 +55,9 @@ std::vector<at::Tensor> pick_backward_cpu(at::TensorList grads, const at::Tensor
     for (const at::Tensor& g : grads) {
       at::Tensor o = at::empty(g.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
       if (b == i) {
-        o.copy_(g);
-      } else {
-        o.zero_();
+        copy_into(o, g);
+      } else if (o.numel() > 0) {
+        std::memset(o.data_ptr(), 0, o.nbytes());  // all-zero bytes: zero in every dtype
       }
       out.push_back(std::move(o));
     }
@@ -55,7 +73,7 @@ void put_cpu(at::TensorList tensors, const at::Tensor& index, int64_t branches, 
   if (i < 0) return;  // no branch ran: nothing to write
   for (int64_t j = 0; j < k; ++j) {
     at::Tensor dst = tensors[i * k + j];
-    dst.copy_(values[j]);
+    copy_into(dst, values[j]);
   }
 }
 
