@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_check.sh
 # 1. builds the extension in place (editable install, TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16)
 #    and checks that the CUDA kernels load (cuobjdump --list-elf when available);
-# 2. the GPU cases of the op tests (pytest -m cuda tests/test_ops.py tests/test_ops_checks.py),
+# 2. the GPU cases of the op tests (pytest -m cuda tests/test_ops.py tests/test_ops_checks.py
+#    tests/test_pick.py),
 #    first the checks of issue 17 by item, each its own step: (1) make_plan's devices, (2) hand-made
 #    plans stopped by device asserts (child processes), (3) CUDA graph capture, (4) the plan
 #    kernels against the reference at tile-crossing sizes; then all GPU cases (on a failure, once
@@ -131,7 +132,7 @@ step import 60 check_import
 # ---------------------------------------------------------------------------------------------
 # The GPU cases of the op tests (the `cuda` mark: the device fixture's CUDA cases and the
 # GPU-only tests). Issue 17's items first, each its own step, so the summary reads item by item.
-OPS_TESTS="tests/test_ops.py tests/test_ops_checks.py"
+OPS_TESTS="tests/test_ops.py tests/test_ops_checks.py tests/test_pick.py"
 pytest_ops() { "$PY" -m pytest -q -p no:cacheprovider -rfs -m cuda $OPS_TESTS "$@"; }
 export OPS_TESTS
 export -f pytest_ops
@@ -266,7 +267,7 @@ else
   echo "compute-sanitizer not found" | tee -a "$SUMMARY"
 fi
 step test_suite 200 "$PY" -m pytest -q -p no:cacheprovider -rf tests --ignore=tests/test_ops.py \
-  --ignore=tests/test_ops_checks.py
+  --ignore=tests/test_ops_checks.py --ignore=tests/test_pick.py
 wait
 
 # ---------------------------------------------------------------------------------------------
