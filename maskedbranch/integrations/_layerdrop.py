@@ -12,6 +12,7 @@ graph walk of find_unused_parameters=True decides.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import threading
@@ -33,6 +34,11 @@ from ._transformers_rules import Rule
 # HF's own probability reads a neutral value while an owner runs. Owners that share a config
 # (or threads running replicas of one model, as nn.DataParallel does) count their holds, so the
 # value is restored once, by the last one out.
+#
+# Only a config needs the lock: replicas share their config, while an owner's own attribute
+# belongs to one module, which one thread runs. Taking the lock there too broke a compiled
+# graph at every hold and release (Dynamo cannot enter a threading.Lock: 12 of a patched BART's
+# 14 graph breaks in 4 steps).
 
 _lock = threading.Lock()
 _held: Dict[Tuple[int, str], List[Any]] = {}  # (id(holder), name) -> [holds, real value]
@@ -44,14 +50,18 @@ def _holder(owner: nn.Module, source: str) -> Tuple[Any, str]:
     return owner, source
 
 
+def _guard(obj: Any) -> Any:
+    return contextlib.nullcontext() if isinstance(obj, nn.Module) else _lock
+
+
 def _real(obj: Any, name: str) -> Any:
-    with _lock:
+    with _guard(obj):
         entry = _held.get((id(obj), name))
         return entry[1] if entry is not None else getattr(obj, name)
 
 
 def _hold(obj: Any, name: str, neutral: float) -> None:
-    with _lock:
+    with _guard(obj):
         entry = _held.get((id(obj), name))
         if entry is None:
             entry = _held[(id(obj), name)] = [0, getattr(obj, name)]
@@ -60,7 +70,7 @@ def _hold(obj: Any, name: str, neutral: float) -> None:
 
 
 def _release(obj: Any, name: str) -> None:
-    with _lock:
+    with _guard(obj):
         entry = _held[(id(obj), name)]
         entry[0] -= 1
         if entry[0] == 0:
