@@ -107,6 +107,8 @@ def test_training_equals_hf(family):
     assert torch.equal(hf_tiny.loss_of(model(**inputs)), want)
 
 
+@pytest.mark.skipif(not hasattr(torch.compiler, "is_exporting"),
+                    reason="transformers 5's attention masks call torch.compiler.is_exporting (torch >= 2.7)")
 @pytest.mark.parametrize("family", ["bart", "opt"])
 def test_compiled_patched_model_equals_eager_and_adds_no_break_of_its_own(family):
     """Plain torch.compile (aot_eager) of a patched model whose probability is an owner
