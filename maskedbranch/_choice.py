@@ -10,8 +10,8 @@ the unit; maskedbranch/_unit.py):
 * ``STACKED``: every branch has the same structure (class, plain attributes, parameter and
   buffer names, shapes, dtypes and devices, in every submodule; :func:`structure_key`). The
   chosen branch's parameters and buffers are copied out by one op each (``maskedbranch::pick``,
-  the index read on the device) and the first branch's code runs on them through
-  ``torch.func.functional_call``. No control flow, static shapes, any torch version; the cost
+  the index read on the device) and the first branch's code runs on them, swapped in by name
+  (:func:`_call_swapped`). No control flow, static shapes, any torch version; the cost
   is a copy of the chosen branch's parameters per call (and, in the backward, zero gradients
   for the others'). It compiles fastest.
 * ``CONDS``: one ``torch.cond`` per branch (``gate == k``), one after the other, none nested
@@ -23,12 +23,13 @@ the unit; maskedbranch/_unit.py):
   for the others), where neither applies: torch < 2.13 with branches of different structures,
   extra arguments, outputs whose signature cannot be found on meta tensors.
 
-Buffers cross ``torch.cond`` and the stacked call as copies: each branch runs through
-``torch.func.functional_call`` with copies of its buffers (what BatchNorm updates in place), the
-copies leave the cond (integer ones as float64: an integer output of a cond fails its autograd,
-torch 2.14.1) and are copied back into the buffers after it; the stacked form writes them
-into the chosen branch's buffers only (``maskedbranch::put_``). :func:`call_carrying` does the same for the routed rows
-(maskedbranch/_route.py), whose padded rows must not update a dead branch's statistics.
+Buffers cross ``torch.cond`` and the stacked call as copies: each branch runs with copies of
+its buffers swapped in (what BatchNorm updates in place; ``torch.func.functional_call`` inside a
+cond). The copies leave the cond (integer ones as float64: an integer output of a cond fails its
+autograd, torch 2.14.1) and are copied back into the buffers after it; the stacked form writes
+them into the chosen branch's buffers only (``maskedbranch::put_``). :func:`call_carrying` does
+the same for the routed rows (maskedbranch/_route.py), whose padded rows must not update a dead
+branch's statistics.
 Activations and parameters enter a cond 2-D (:func:`_rows`), in the one layout a compiler
 cannot change.
 """

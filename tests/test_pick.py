@@ -82,6 +82,13 @@ def test_put_writes_the_chosen_branch_only(device, dtype, layout, branches):
         assert all(t._version > v for t, v in zip(tensors, versions)), "put_ must move every mutated tensor's version"
 
 
+def test_put_of_a_tensor_into_itself(device):
+    tensors = branch_tensors(2, device)
+    want = [t.clone() for t in tensors]
+    ops.put_(tensors, index(1, device), 2, tensors[4:])
+    assert all(torch.equal(t, w) for t, w in zip(tensors, want))
+
+
 def test_no_tensors(device):
     assert ops.pick([], index(1, device), 3) == []
     ops.put_([], index(1, device), 3, [])

@@ -21,11 +21,12 @@ int64_t read_choice(const at::Tensor& index, int64_t branches, bool allow_none) 
   return checked_choice(i, branches, allow_none);
 }
 
-// dst = src (dst contiguous, same shape and dtype): a memcpy when src is contiguous too. These
-// tensors are a branch's parameters, often tiny, where copy_'s dispatch costs more than the copy.
+// dst = src (dst contiguous, same shape and dtype): a memmove when src is contiguous too (put_
+// may be given a tensor as its own value). These tensors are a branch's parameters, often tiny,
+// where copy_'s dispatch costs more than the copy.
 void copy_into(at::Tensor& dst, const at::Tensor& src) {
   if (src.is_contiguous() && dst.is_contiguous()) {
-    if (src.numel() > 0) std::memcpy(dst.data_ptr(), src.const_data_ptr(), src.nbytes());
+    if (src.numel() > 0) std::memmove(dst.data_ptr(), src.const_data_ptr(), src.nbytes());
   } else {
     dst.copy_(src);
   }
