@@ -18,7 +18,6 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -111,7 +110,7 @@ void put_autograd(at::TensorList tensors, const at::Tensor& index, int64_t branc
                                .typed<void(at::TensorList, const at::Tensor&, int64_t, at::TensorList)>();
     op.call(tensors, index, branches, values);
   }
-  for (const at::Tensor& t : tensors) torch::autograd::impl::bump_version(t);
+  for (const at::Tensor& t : tensors) t.unsafeGetTensorImpl()->bump_version();
 }
 }  // namespace
 }  // namespace maskedbranch
