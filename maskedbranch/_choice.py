@@ -255,9 +255,12 @@ def stacked(owner: nn.Module, branches: Sequence[nn.Module], x: Tensor, gate: Te
     into the branch's kernels and indexed indirectly (a 6 x 4 convolution supernet with
     BatchNorm: 494 IR nodes against 129 for one path, most of its compile time).
 
-    The zeros for -1 are a ``torch.where`` on the output, which costs more than its own pass:
-    the branch's last activation is then no longer the next layer's input, and inductor saves a
-    mask for its backward (a 6 x 4 convolution supernet with ReLU ran 1.4x slower compiled)."""
+    The zeros for -1 are a ``torch.where`` on the output, which costs more than its own pass
+    where the branch ends in a ReLU whose input is not saved otherwise: inductor then saves a
+    bool mask for its backward, which its CPU code stores about 20x slower than a float (a 6 x 4
+    convolution supernet with ReLU ran 1.4-1.5x one path compiled). A pick of the output (an
+    opaque copy whose gradient keeps the output) removed that, but cost the BatchNorm supernet
+    15% (benchmarks/RESULTS.md, "Where the compiled ReLU supernet ... lose their time")."""
     first = branches[0]
     n = len(branches)
     param_names, buffer_names = _state_names(id(owner))
