@@ -404,7 +404,8 @@ def _moe_rows(cfg) -> List[list]:
             probs = model.router(x).softmax(-1)
             idx = probs.topk(top, dim=-1).indices
         # the oracle: each expert on its rows, split once outside the timed step
-        parts = [x[(idx == e).any(-1)] for e in range(n)]
+        rows_of = [(idx == e).any(-1).nonzero().squeeze(1) for e in range(n)]
+        parts = [x[r] for r in rows_of]
 
         class Oracle(nn.Module):
             def __init__(self, experts):
@@ -429,7 +430,7 @@ def _moe_rows(cfg) -> List[list]:
                            for e, (ex, p, r) in enumerate(zip(self.experts, xs, self.rows)))
 
         oracle = Oracle(model.experts)
-        routed = RoutedOracle(model.router, model.experts, [(idx == e).any(-1).nonzero().squeeze(1) for e in range(n)])
+        routed = RoutedOracle(model.router, model.experts, rows_of)
         with torch.no_grad():  # the same loss as the mixture's
             torch.testing.assert_close(routed(x, *parts), model(x).sum(), rtol=1e-4, atol=1e-3)
         c_model, g_model = _compile(model, fullgraph=True)
