@@ -26,7 +26,16 @@ else
   rm -rf "$VENV"
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q "setuptools>=64" wheel ninja numpy "torch==2.13.0"
+# Tried up to three times: a wheel that arrives damaged fails pip's hash check; a later try
+# downloads it afresh (no cache).
+cache=()
+for try in 1 2 3; do
+  "$VENV/bin/python" -m pip install -q "${cache[@]}" "setuptools>=64" wheel ninja numpy "torch==2.13.0" && break
+  [[ $try == 3 ]] && { echo "pip install failed three times" >&2; exit 1; }
+  echo "-- pip install failed (try $try of 3); trying again in $((try * 15)) s" >&2
+  sleep $((try * 15))
+  cache=(--no-cache-dir)
+done
 
 # Non-editable install with a build folder of its own (as scripts/test.sh does).
 cfg=$VENV/maskedbranch-build.cfg

@@ -114,6 +114,18 @@ find_cuda_home() {
   return 1
 }
 
+# pip_get VENV ARG... : `pip install -q ARG...` from the index, tried up to three times. A wheel
+# that arrives damaged fails pip's hash check (seen in CI for a CUDA library of torch 2.6), and
+# the cache is off, so a second try downloads it afresh; a wrong pin fails all three.
+pip_get() {
+  local venv=$1 try; shift
+  for try in 1 2 3; do
+    "$venv/bin/python" -m pip install -q "$@" && return 0
+    [[ $try -lt 3 ]] && note "pip install failed (try $try of 3); trying again in $((try * 15)) s" >&2 && sleep $((try * 15))
+  done
+  return 1
+}
+
 # ensure_venv DIR PACKAGE... : create DIR if needed (or if broken), then install what is missing.
 ensure_venv() {
   local dir=$1; shift
@@ -124,7 +136,7 @@ ensure_venv() {
     rm -rf "$dir"
     "$PYTHON" -m venv "$dir" || return 1
   fi
-  "$dir/bin/python" -m pip install -q "setuptools>=64" wheel "$@" || return 1
+  pip_get "$dir" "setuptools>=64" wheel "$@" || return 1
   "$dir/bin/python" -c 'import sys, torch; print(f"-- python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), GPU visible: {torch.cuda.is_available()}")'
 }
 
@@ -177,7 +189,7 @@ find_cuobjdump() {
   for attempt in 1 2; do
     c=$(find "$site" -path '*/bin/cuobjdump' -type f -perm -u+x 2>/dev/null | sort | head -n 1)
     if [[ -n $c ]]; then echo "$c"; return 0; fi
-    [[ $attempt == 1 ]] && "$venv/bin/python" -m pip install -q "nvidia-cuda-cuobjdump<14" >&2
+    [[ $attempt == 1 ]] && pip_get "$venv" "nvidia-cuda-cuobjdump<14" >&2
   done
   return 1
 }
@@ -236,7 +248,7 @@ part_a() {
   banner "Part (a): CUDA build (torch 2.14.1, archs $ARCHS) + full pytest suite"
   ensure_venv "$VENV_CUDA" "$TORCH_CUDA_SPEC" "${TEST_DEPS[@]}" matplotlib tqdm || return 1
   # Optional extras the tests and benchmarks use when present.
-  if "$VENV_CUDA/bin/python" -m pip install -q "$TORCH_CUDA_SPEC" "torchvision==0.29.1" "${INTEGRATION_DEPS[@]}"; then
+  if pip_get "$VENV_CUDA" "$TORCH_CUDA_SPEC" "torchvision==0.29.1" "${INTEGRATION_DEPS[@]}"; then
     note "$(cd / && "$VENV_CUDA/bin/python" -c 'import importlib; print(", ".join(f"{m} {importlib.import_module(m).__version__}" for m in ("torchvision", "timm", "transformers", "accelerate", "lightning")))' 2>&1 | tail -n 1)"
   else
     note "the integrations' packages could not be installed; tests that need them will skip"
@@ -257,7 +269,7 @@ part_a() {
 part_b() {
   banner "Part (b): CMake/libtorch build + ctest"
   ensure_venv "$VENV_CUDA" "$TORCH_CUDA_SPEC" "${TEST_DEPS[@]}" || return 1
-  command -v cmake >/dev/null || "$VENV_CUDA/bin/python" -m pip install -q cmake || return 1
+  command -v cmake >/dev/null || pip_get "$VENV_CUDA" cmake || return 1
   local cuda=OFF
   # The CUDA build of torch needs the toolkit for find_package(Torch) anyway (see CMakeLists.txt).
   CUDA_HOME_FOUND=$(find_cuda_home) || CUDA_HOME_FOUND=""
@@ -289,7 +301,7 @@ cpu_suite() {
   banner "$title"
   ensure_venv "$venv" "$spec" "${TEST_DEPS[@]}" || return 1
   if [[ $# -gt 0 ]]; then
-    if "$venv/bin/python" -m pip install -q "$spec" "$@"; then
+    if pip_get "$venv" "$spec" "$@"; then
       note "$(cd / && "$venv/bin/python" -c 'import importlib; print(", ".join(f"{m} {importlib.import_module(m).__version__}" for m in ("torchvision", "timm", "transformers")))' 2>&1 | tail -n 1)"
     else
       note "optional packages ($*) could not be installed for $spec; tests that need them will skip"
