@@ -11,6 +11,7 @@ travel as ``2 * ceil(n / 8)`` bytes, OR-reduced (``ReduceOp.BOR``) on a CPU grou
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, List, Tuple
 
 import torch.distributed as dist
@@ -152,7 +153,10 @@ def _outside(root: nn.Module, unit_modules: set, position: Dict[int, int]) -> Li
     return [k for k in out if k >= 0]
 
 
-cpu_groups: Dict[Any, Any] = {}
+# Weak keys: a group's own gloo group lives exactly as long as the group. A plain dict kept
+# every group it had seen, and gloo's threads, past destroy_process_group into the
+# interpreter's teardown, where a launched job hung or aborted now and then after finishing.
+cpu_groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def cpu_group(group: Any) -> Any:

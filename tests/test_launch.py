@@ -97,8 +97,9 @@ def test_two_nodes_on_loopback_run_the_example(tmp_path):
     results = run_all(
         [torchrun(*common, "--node_rank=0", *script), torchrun(*common, "--node_rank=1", *script)], cwd=tmp_path
     )
+    every = "\n".join(f"--- node {n} (exit {rc}):\n{out[-5000:]}" for n, (rc, out, _) in enumerate(results))
     for node, (rc, out, _) in enumerate(results):
-        assert rc == 0, f"node {node}: torchrun exited with {rc}; output:\n{out[-6000:]}"
+        assert rc == 0, f"node {node}: torchrun exited with {rc}; the output of both nodes:\n{every}"
     outputs = "\n".join(out for _, out, _ in results)
     assert outputs.count("== after: MaskedBranch, 4 ranks, gloo on cpu ==") == 1, outputs[-6000:]
     assert outputs.count("on every rank): PASS") == 3 and "FAIL" not in outputs, outputs[-6000:]

@@ -5,6 +5,9 @@ alone). The explicit handle (``unused_grads_to_none``) with modules that materia
 gradients, its edge cases, and where the reduced bytes must live per backend. The 2-rank gloo
 jobs are in tests/test_unused_grads_ddp.py.
 """
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -247,9 +250,14 @@ def test_usage_reduces_on_a_cpu_group(tmp_path):
         group = dist.new_group(backend="gloo")
         own = _layout.cpu_group(group)
         assert own is not group and own is not world and dist.get_process_group_ranks(own) == [0]
+        groups = [weakref.ref(g) for g in (dist.group.WORLD, world, group, own)]
+        del world, group, own
     finally:
         dist.destroy_process_group()
-        _layout.cpu_groups.clear()
+    # Each group's own gloo group goes with it: nothing here keeps a destroyed group (nor its
+    # worker threads) to the interpreter's teardown.
+    gc.collect()
+    assert [g() for g in groups] == [None] * 4
 
 
 def test_functional_call_ties_the_swapped_in_tensors():
