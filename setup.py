@@ -40,12 +40,20 @@ def find_cuda_home():
     return None
 
 
-def want_cuda(cuda_home):
+def cuda_decision(cuda_home):
+    """(build the CUDA kernels?, the reason), the reason as the build log prints it."""
     if os.environ.get("FORCE_CUDA", "0") == "1":
-        return True
+        if cuda_home is None:
+            sys.exit("maskedbranch: FORCE_CUDA=1 but no CUDA toolkit was found: put nvcc on PATH or set CUDA_HOME")
+        return True, "FORCE_CUDA=1"
     if os.environ.get("MASKEDBRANCH_CPU_ONLY", "0") == "1":
-        return False
-    return torch.version.cuda is not None and cuda_home is not None
+        return False, "MASKEDBRANCH_CPU_ONLY=1"
+    if torch.version.cuda is None:
+        return False, f"torch {torch.__version__} is a CPU-only build"
+    if cuda_home is None:
+        return False, (f"no CUDA toolkit found for torch {torch.__version__} (CUDA {torch.version.cuda}): "
+                       "nvcc is not on PATH and neither CUDA_HOME nor CUDA_PATH names a toolkit")
+    return True, f"torch is a CUDA build and {cuda_home} has nvcc"
 
 
 def torch_nvidia_includes():
@@ -74,8 +82,9 @@ def extension():
     # torch 2.13, C++20 from 2.14).
     cxx_flags = ["-O3"] + openmp_flags()
     cuda_home = find_cuda_home()
-    if not want_cuda(cuda_home):
-        print("maskedbranch: building CPU kernels only (no CUDA build of torch or no nvcc found)")
+    with_cuda, reason = cuda_decision(cuda_home)
+    if not with_cuda:
+        print(f"maskedbranch: building CPU kernels only ({reason})")
         return cpp_extension.CppExtension(
             "maskedbranch._C", sources, extra_compile_args={"cxx": cxx_flags}, py_limited_api=False
         )
@@ -84,8 +93,7 @@ def extension():
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "those of the visible GPUs")
-    print(f"maskedbranch: building CPU and CUDA kernels (CUDA {torch.version.cuda}, "
-          f"toolkit {cuda_home}, archs {archs})")
+    print(f"maskedbranch: building CPU and CUDA kernels ({reason}; CUDA {torch.version.cuda}, archs {archs})")
     sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     return cpp_extension.CUDAExtension(
         "maskedbranch._C",
