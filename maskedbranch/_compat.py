@@ -27,6 +27,11 @@ with a public fallback that the tests exercise (tests/test_compat.py).
   ``capture_dynamic_output_shape_ops``, or ``fullgraph=True`` on torch >= 2.13), read from the
   shape environment of the trace. Fallback: the two flags in ``torch._dynamo.config`` (under
   ``fullgraph=True`` without them, the drop paths then run the dense formula: same results).
+* :func:`wrapper_on_stack`: the DDP or FSDP2 module whose forward is on the Python stack
+  (``sys._getframe``, CPython's frames), for a routing unit that first runs under a wrapper
+  that has not announced itself (a DDP built before any routing module existed in a
+  distributed job); read when a unit decides, never per call. Fallback: None (the unit decides
+  as in one process until the wrapper's own hooks or DDP's record find it).
 * :func:`is_view_of`: whether a tensor is ``x`` or a view of it (``Tensor._base``), read on meta
   tensors while a graph is traced, so that a branch that returns its input is given a copy
   inside ``torch.cond`` (which refuses outputs aliasing inputs). Fallback: True (a copy always).
@@ -40,7 +45,8 @@ import torch
 from torch import nn
 
 __all__ = ["functorch_active", "tracing", "compiled_autograd_tracing", "active_ddp", "ddp_python_reducer", "ddp_join_active",
-           "inductor_layout_optimization", "captures_data_dependent", "is_view_of"]
+           "inductor_layout_optimization", "captures_data_dependent", "is_view_of", "wrapper_on_stack",
+           "fsdp_module_type"]
 
 _functorch_check = getattr(torch._C, "_are_functorch_transforms_active", None)
 
@@ -78,7 +84,7 @@ def compiled_autograd_tracing() -> bool:
 _DDP = nn.parallel.DistributedDataParallel
 _HAS_ACTIVE_ATTR = hasattr(_DDP, "_active_ddp_module")
 _force_fallback = {"functorch": False, "ddp": False, "python_reducer": False, "compiled_autograd": False, "join": False,
-                   "inductor": False, "capture": False, "views": False}  # set by the tests of the fallbacks
+                   "inductor": False, "capture": False, "views": False, "stack": False}  # set by the tests of the fallbacks
 _PYTHON_REDUCER = ("python_reducer", "python_reducer_without_compiled_forward")
 
 
@@ -166,3 +172,32 @@ def is_view_of(y: torch.Tensor, x: torch.Tensor) -> bool:
     if base_y is _FLAGS or base_x is _FLAGS:  # no such attribute: assume the worst
         return True
     return (base_y if base_y is not None else y) is (base_x if base_x is not None else x)
+
+
+def fsdp_module_type() -> Optional[type]:
+    """FSDP2's module class, if the user imported FSDP (nothing is imported here)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    t = getattr(fsdp, "FSDPModule", None)
+    return t if isinstance(t, type) else None
+
+
+_CALL_CODES = frozenset(getattr(nn.Module, n).__code__ for n in ("_call_impl", "_wrapped_call_impl") if hasattr(nn.Module, n))
+
+
+def wrapper_on_stack() -> Optional[nn.Module]:
+    """The outermost DDP or FSDP2 module on the Python stack whose forward is running (a
+    compiled module counts as the module it compiles)."""
+    getframe = getattr(sys, "_getframe", None)
+    if getframe is None or _force_fallback["stack"]:
+        return None
+    fsdp = fsdp_module_type()
+    found = None
+    f = getframe(1)
+    while f is not None:
+        if f.f_code in _CALL_CODES:
+            m = f.f_locals.get("self")
+            m = getattr(m, "_orig_mod", m)
+            if isinstance(m, nn.parallel.DistributedDataParallel) or (fsdp is not None and isinstance(m, fsdp)):
+                found = m
+        f = f.f_back
+    return found

@@ -36,11 +36,10 @@ is reduced after each forward of the wrapper and the gradients that no rank used
 The context is found once per unit and wrapper: the wrapper that pushed itself on
 ``_unit.running`` (every wired wrapper does, while its forward runs) or the DDP whose forward
 runs; else, in a distributed job, a DDP or FSDP2 module whose forward is on the Python stack
-(:func:`wrapper_on_stack`, a look that runs when a unit decides, never per call).
+(``_compat.wrapper_on_stack``, a look that runs when a unit decides, never per call).
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
@@ -99,28 +98,3 @@ def context_of(wrapper: nn.Module, explicit_kind: bool) -> str:
 
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def fsdp_module_type() -> Optional[type]:
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # only if the user imported FSDP
-    t = getattr(fsdp, "FSDPModule", None)
-    return t if isinstance(t, type) else None
-
-
-_CALL_CODES = frozenset(getattr(nn.Module, n).__code__ for n in ("_call_impl", "_wrapped_call_impl") if hasattr(nn.Module, n))
-
-
-def wrapper_on_stack() -> Optional[nn.Module]:
-    """The outermost DDP or FSDP2 module on the Python stack whose forward is running (a
-    compiled module counts as the module it compiles). Run when a unit decides, not per call."""
-    fsdp = fsdp_module_type()
-    found = None
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code in _CALL_CODES:
-            m = f.f_locals.get("self")
-            m = getattr(m, "_orig_mod", m)
-            if isinstance(m, nn.parallel.DistributedDataParallel) or (fsdp is not None and isinstance(m, fsdp)):
-                found = m
-        f = f.f_back
-    return found

@@ -118,12 +118,15 @@ def _decide_alone(unit: "RoutingUnit", wrapper: Any) -> Mode:
 
 
 class _DataParallelLayer:
-    """What maskedbranch/_wiring.py plugs in when it is imported: ``decide(unit, wrapper) -> Mode``
-    (decides, wires the wrapper, settles the unit) and ``created(unit)`` (a unit exists: the
-    optimizer step pre-hook and the DDP registration hook are installed)."""
+    """What the data-parallel layer plugs in when it is imported: ``decide(unit, wrapper) -> Mode``
+    (decides, wires the wrapper, settles the unit; maskedbranch/_wiring.py), ``created(unit)`` (a
+    unit exists) and ``needed()`` (something now needs the optimizer step pre-hook: a wrapper was
+    wired, or a graph that gives dead branches zeros was compiled; maskedbranch/unused_grads.py).
+    A model that runs in one process, eagerly, under no wrapper needs nothing process-wide."""
 
     decide: Callable[["RoutingUnit", Any], Mode] = staticmethod(_decide_alone)
     created: Callable[["RoutingUnit"], None] = staticmethod(lambda unit: None)
+    needed: Callable[[], None] = staticmethod(lambda: None)
 
 
 DATA_PARALLEL = _DataParallelLayer()
@@ -343,7 +346,10 @@ def _mode_while_tracing(key: int, wrapper_key: Optional[int]) -> int:
     module copied without its state (torch.export's own copies) was never noted: compiled
     graphs hold every branch, so only a wrapper's aliases would have needed its decision."""
     owner = module_by_id(key)
-    return int(Mode.SKIP if owner is None else owner._unit.mode_here())
+    if owner is None:
+        return int(Mode.SKIP)
+    DATA_PARALLEL.needed()  # the graph gives dead branches zeros: the step resets them
+    return int(owner._unit.mode_here())
 
 
 def traced_mode(owner: nn.Module) -> Mode:

@@ -61,6 +61,7 @@ def wiring_for(wrapper: nn.Module, explicit_kind: bool = False, process_group: A
         found = _wirings[wrapper] = Wiring(wrapper, explicit_kind, process_group)
         found.needs_first = found.tied_per_call = not before_forward and not torch.compiler.is_compiling()
         version[0] += 1
+        _unit.DATA_PARALLEL.needed()  # its reset runs in the optimizer step pre-hook
     return found
 
 
@@ -84,7 +85,7 @@ def decide(unit: RoutingUnit, wrapper: Any) -> Mode:
     """Decide ``unit``'s mode under ``wrapper`` (None: no wired wrapper's forward runs), store
     it in the unit, and wire the wrapper if it is not yet."""
     if wrapper is None and _decide.distributed():
-        wrapper = _decide.wrapper_on_stack()
+        wrapper = _compat.wrapper_on_stack()
     if isinstance(wrapper, Simulated):
         unit.check_skippable()
         unit.settle(wrapper, id(wrapper), _decide.TABLE[_decide.SIMULATED])

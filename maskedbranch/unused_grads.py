@@ -13,10 +13,12 @@ module's own record. The step only reads those decisions: no collective runs in
 some ranks only and LBFGS closures all work.
 
 What is installed: one optimizer step pre-hook (``torch.optim.optimizer.
-register_optimizer_step_pre_hook``), while a routing module or a wiring exists, removed when the
-last one is gone (:func:`uninstall` removes it by hand). For an optimizer that holds none of
-their parameters it answers after one dictionary lookup; it touches only gradients of branch
-parameters. A gradient is set to ``None`` only where if/else leaves ``None``: when it is not the
+register_optimizer_step_pre_hook``), from the moment something needs it (a routing module made
+in a distributed job, a wrapper wired, a routing module compiled) until the last routing module
+and wiring are gone (:func:`uninstall` removes it by hand). A model that trains in one process,
+eagerly, installs nothing process-wide: if/else leaves its gradients as they are, and so does the
+routing there. For an optimizer that holds none of their parameters the hook answers after one
+dictionary lookup; it touches only gradients of branch parameters. A gradient is set to ``None`` only where if/else leaves ``None``: when it is not the
 tensor that parameter held after its previous step (``zero_grad(set_to_none=False)`` keeps zero
 tensors, and they stay). :func:`unused_grads_to_none` attaches to one optimizer and one model
 instead, and ``materialize_grads=True`` / ``False`` on a module opts it out.
@@ -47,16 +49,25 @@ _alive = [0]  # routing units alive (their finalizers count down)
 
 
 def _created(unit: RoutingUnit) -> None:
-    """Each routing unit, when it is created (its module made or copied): the step pre-hook and
-    the watch for DDP modules built around it (maskedbranch/_wiring.py) exist while units do."""
+    """Each routing unit, when it is created (its module made or copied). In a distributed job a
+    DDP module may be built around it next: the watch that wires it at construction
+    (maskedbranch/_wiring.py) and the step pre-hook are installed now. Elsewhere they come when
+    needed (a model built before ``init_process_group`` gets its DDP wired at the first forward)."""
     _registry.add(unit)
     _alive[0] += 1
     weakref.finalize(unit, _gone)
+    if _decide.distributed():
+        _needed()
+
+
+def _needed() -> None:
     install()
     _wiring.watch_ddp_construction()
 
 
-_unit.DATA_PARALLEL.created = _created  # a plain function on the instance, as _wiring.py sets decide
+# plain functions on the instance, as _wiring.py sets decide
+_unit.DATA_PARALLEL.created = _created
+_unit.DATA_PARALLEL.needed = _needed
 
 
 def _gone() -> None:

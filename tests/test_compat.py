@@ -136,6 +136,35 @@ def test_active_ddp_fallback_reports_none(monkeypatch):
     assert seen == [None] and _compat.active_ddp() is None
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["frames", "fallback"])
+def test_wrapper_on_stack(monkeypatch, fallback):
+    """The outermost data-parallel module whose forward runs is found from the Python stack (here
+    a stand-in registered as FSDP2's module class); the fallback finds none."""
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(_compat.wrapper_on_stack())
+            return x
+
+    monkeypatch.setattr(fsdp, "FSDPModule", Wrapper, raising=False)
+    monkeypatch.setitem(_compat._force_fallback, "stack", fallback)
+    outer = Wrapper(nn.Sequential(Wrapper(Probe())))
+    outer(torch.randn(2, D))
+    Probe()(torch.randn(2, D))
+    assert seen == ([None, None] if fallback else [outer, None])
+
+
 @pytest.mark.parametrize("fallback", [False, True], ids=["flag", "fallback"])
 def test_compiled_autograd_tracing(monkeypatch, fallback):
     """False in eager backwards and true in a backward that compiled autograd traces, with the

@@ -276,9 +276,10 @@ def test_functional_call_ties_the_swapped_in_tensors():
     assert swapped["1.weight"].grad is not None and swapped["1.weight"].grad.any()
 
 
-def test_nothing_is_installed_before_a_routing_module_exists():
-    """Importing maskedbranch registers no hook; the optimizer step pre-hook comes with the first
-    routing module and goes with the last one."""
+def test_the_step_hook_goes_with_the_last_routing_module():
+    """Importing maskedbranch registers no hook; the optimizer step pre-hook, once something
+    needed it (a wiring), goes when the last routing module and wiring are gone (when it comes:
+    tests/test_process_wide_hooks.py)."""
     import gc
 
     from maskedbranch import _wiring
@@ -288,8 +289,11 @@ def test_nothing_is_installed_before_a_routing_module_exists():
         pytest.skip("routing modules of other tests are still alive")
     assert not unused_grads._hook
     m = MaskedBranch([nn.Linear(2, 2)])
+    model = nn.Sequential(m)
+    handle = unused_grads_to_none(torch.optim.SGD(m.parameters(), lr=0.1), model)
     assert unused_grads._hook
-    del m
+    handle.remove()
+    del m, model, handle
     gc.collect()
     assert not unused_grads._hook
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import sys
 import threading
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-from .. import _structure, _unit
+from .. import _compat, _structure, _unit
 from .._route import tie_unrun
 from .._unit import Held, Mode
 from ._transformers_rules import Rule
@@ -105,12 +104,6 @@ def _dropped(rule: Rule, p: float) -> bool:
     return bool(u <= p) if rule.inclusive else bool(u < p)
 
 
-def _fsdp_module_type() -> Optional[type]:
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # only if the user imported FSDP
-    t = getattr(fsdp, "FSDPModule", None)
-    return t if isinstance(t, type) else None
-
-
 # ----------------------------------------------------------------------------------------------
 # The layer list.
 
@@ -163,7 +156,7 @@ class LayerDropList(_structure.RoutingModuleList):
         return groups
 
     def _check_skippable(self) -> None:
-        fsdp = _fsdp_module_type()
+        fsdp = _compat.fsdp_module_type()
         # A layer that is an FSDP2 unit is entered even when dropped (see _Dropped); its inner
         # modules are checked there, once its parameters are gathered.
         _structure.check_skippable([m for m in self._modules.values() if fsdp is None or not isinstance(m, fsdp)], self.where)
@@ -258,7 +251,7 @@ class _Dropped:
                 "of the attention outputs, which the patched loop cannot do; ask for attentions in eval "
                 "mode, or unpatch the model"
             )
-        fsdp = _fsdp_module_type()
+        fsdp = _compat.fsdp_module_type()
         if fsdp is not None and isinstance(self.layer, fsdp):
             return self._through_unit(args, kwargs)
         mode = self.mode
