@@ -516,18 +516,22 @@ class Simulated:
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
-        self.units: "weakref.WeakSet[RoutingUnit]" = weakref.WeakSet()
+        self.units = _Decided()
 
     def alive(self) -> bool:
         return True
 
     def tie(self, output: Any) -> Any:
-        """``output`` with the groups that did not run in this forward tied in (every unit
-        decides first: one that no call reached is tied too). The records are left as they are."""
+        """``output`` with the groups that did not run in this forward tied in (every routing
+        module's unit decides first: one that no call reached is tied too). The records are left
+        as they are."""
         units = [m._unit for m in _unit.routing_modules(self.root)]
         for u in units:
             if u.wiring is not self or u.mode is None:
                 decide(u, self)
+        # The functional forms' units belong to no module of the root, so routing_modules cannot
+        # find them: as a DDP wiring keeps them in ``extra``, take every one that decided here.
+        units += [u for u in self.units if not isinstance(u.owner(), (nn.Module, type(None))) and u.groups()]
         units = [u for u in units if u.mode in _AT_WRAPPER]
         if not units:
             return output
@@ -535,11 +539,30 @@ class Simulated:
         return _tie_outputs(output, dead, False) if dead else output
 
 
+class _Decided:
+    """The units decided for a :class:`Simulated`, weakly held, in the order they decided."""
+
+    def __init__(self) -> None:
+        self._refs: Dict[int, "weakref.ref[RoutingUnit]"] = {}
+
+    def add(self, unit: RoutingUnit) -> None:
+        ref = self._refs.get(id(unit))
+        if ref is None or ref() is not unit:  # (an id reused after its unit was collected)
+            self._refs.pop(id(unit), None)
+            self._refs[id(unit)] = weakref.ref(unit)
+
+    def __iter__(self) -> Iterator[RoutingUnit]:
+        for ref in list(self._refs.values()):
+            unit = ref()
+            if unit is not None:
+                yield unit
+
+
 @contextlib.contextmanager
 def as_if_under_ddp(root: nn.Module) -> Iterator[Simulated]:
-    """Inside, the routing units of ``root`` decide as under DDP without static_graph; the
-    caller ties each forward's output with the yielded :meth:`Simulated.tie`. Afterwards the
-    units decide again at their next call."""
+    """Inside, the routing units of ``root`` (the module forms' and the functional forms') decide
+    as under DDP without static_graph; the caller ties each forward's output with the yielded
+    :meth:`Simulated.tie`. Afterwards the units decide again at their next call."""
     sim = Simulated(root)
     _unit.running.append(sim)
     try:

@@ -143,6 +143,99 @@ class ResidualStack(nn.Module):
         return x
 
 
+class Experts(nn.Module):
+    """A mixture of four Linear experts with a router, in one of three forms: ``"functional"``
+    (``maskedbranch.masked_branch`` over the experts: units of no module), ``"module"``
+    (``maskedbranch.MaskedBranch``) or ``"plain"`` (a Python loop that calls the experts whose
+    rows the router picked, as Hugging Face's MoE layers do). Tokens ``[..., d]`` are routed per
+    row (per token) to their top ``k`` experts, weighted by the router's probabilities. The router
+    reads the first four features scaled up: a row ``e_i`` (a one-hot row) goes to expert i."""
+
+    def __init__(self, form: str = "functional", k: int = 1, d: int = 4, n: int = 4) -> None:
+        super().__init__()
+        self.form, self.k = form, k
+        self.router = nn.Linear(d, n, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(10 * torch.eye(n, d))
+        layers = [nn.Linear(d, d) for _ in range(n)]
+        self.experts = maskedbranch.MaskedBranch(layers) if form == "module" else nn.ModuleList(layers)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = tokens.reshape(-1, tokens.shape[-1])
+        probs = self.router(rows).softmax(-1)
+        top, idx = probs.topk(self.k, dim=-1)
+        gate = torch.zeros_like(probs).scatter(-1, idx, top)  # [rows, experts]: nonzero at the top k
+        if self.form == "functional":
+            out = maskedbranch.masked_branch(list(self.experts), rows, gate)
+        elif self.form == "module":
+            out = self.experts(rows, gate)
+        else:
+            out = torch.zeros_like(rows)
+            for e, expert in enumerate(self.experts):
+                picked = gate[:, e].nonzero().flatten()
+                if picked.numel():
+                    out = out.index_add(0, picked, expert(rows[picked]) * gate[picked, e, None])
+        return out.reshape(tokens.shape)
+
+
+def expert_rows(rank: int) -> torch.Tensor:
+    """Rank r's rows go to experts r and r + 1 (top-1): with 2 ranks, expert 3 is picked by none."""
+    return torch.eye(4)[[rank, rank + 1, rank]] + 0.01
+
+
+class FunctionalResidualStack(nn.Module):
+    """LayerDrop with the functional ``maskedbranch.drop_add_residual`` (whole batch dropped or
+    kept), with the automatic gradient policy (if/else semantics) like ResidualStack."""
+
+    def __init__(self, depth: int, drop_prob: float) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(depth))
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = maskedbranch.drop_add_residual(x, block, self.drop_prob, self.training, mode="batch",
+                                               materialize_grads=None)
+        return x
+
+
+def nllb_moe(routed: bool = False) -> nn.Module:
+    """A tiny random Hugging Face NLLB-MoE (8 experts per sparse layer, routed per token). As HF
+    writes it, its experts are called by a Python loop over the experts the router hit; with
+    ``routed=True`` each layer's experts go through ``maskedbranch.masked_branch`` instead (the
+    router's top-2 probabilities as the gate)."""
+    import transformers
+    from transformers.models.nllb_moe import modeling_nllb_moe
+
+    class RoutedExperts(modeling_nllb_moe.NllbMoeExperts):
+        def forward(self, hidden_states, router_mask, router_probs):
+            experts = [self[f"expert_{i}"] for i in range(self.num_experts)]
+            return maskedbranch.masked_branch(experts, hidden_states, router_probs.to(hidden_states.dtype))
+
+    config = transformers.NllbMoeConfig(
+        vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64, num_experts=8, expert_capacity=8,
+        encoder_sparse_step=2, decoder_sparse_step=2, encoder_layerdrop=0.0, decoder_layerdrop=0.0, moe_token_dropout=0.0,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.NllbMoeModel(config)
+    if routed:
+        for m in model.modules():
+            if type(m) is modeling_nllb_moe.NllbMoeExperts:
+                m.__class__ = RoutedExperts  # the same modules and state_dict keys, another forward
+    return model
+
+
+def nllb_moe_inputs():
+    from maskedbranch.doctor import Inputs
+
+    g = torch.Generator().manual_seed(0)
+    return Inputs(input_ids=torch.randint(3, 64, (2, 5), generator=g),
+                  decoder_input_ids=torch.randint(3, 64, (2, 4), generator=g))
+
+
 class Broken(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -196,3 +289,14 @@ def not_called():
 
 def not_a_model():
     return 42
+
+
+def functional_experts():
+    """Experts routed per row by maskedbranch.masked_branch: safe, expert 3 not sampled."""
+    return Experts("functional"), expert_rows
+
+
+def plain_experts():
+    """The same experts called by a Python loop, the same rows on every rank: no expert diverges,
+    and experts 2 and 3, which no rank picked, are routing choices, not parameters to remove."""
+    return Experts("plain"), expert_rows(0)

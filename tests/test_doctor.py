@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import maskedbranch
-from maskedbranch import doctor
+from maskedbranch import _functional, doctor
 from maskedbranch.doctor import Inputs, find_divergent_parameters, find_unused_parameters
 
 import doctor_fixtures as fx
@@ -380,7 +380,7 @@ def test_masked_branch_whose_branches_are_called_directly():
     assert report.not_called == [] and groups(report)[:2] == [
         ("choices.0", 2, "+-", "divergent"), ("choices.1", 2, "~-", "divergent")
     ]
-    assert "MaskedBranch choices is called on ranks 0 only" in flat(report)
+    assert "MaskedBranch choices is called on rank 0 only" in flat(report)
 
 
 def test_nested_routing_module_in_an_unsampled_branch_is_not_flagged():
@@ -388,6 +388,208 @@ def test_nested_routing_module_in_an_unsampled_branch_is_not_flagged():
     assert report.safe and report.not_called == []
     assert groups(report) == [("outer.1", 10, "~~", "not sampled")]
     assert "MaskedBranch outer ran branch 0 of 2 in 2 calls" in flat(report)
+
+
+# ----------------------------------------------------------------------------------------------
+# Every routing form: the module forms, the functional forms, the patched transformers models;
+# and experts that plain Python routes, for contrast
+
+EXPERT_STATES = {  # 2 ranks of fx.expert_rows: rank r's rows go to experts r and r + 1
+    "router.weight": "++", "experts.0.weight": "+~", "experts.0.bias": "+~", "experts.1.weight": "++",
+    "experts.1.bias": "++", "experts.2.weight": "~+", "experts.2.bias": "~+", "experts.3.weight": "~~",
+    "experts.3.bias": "~~",
+}
+
+
+def assert_no_removal_advice(report):
+    text = flat(report)
+    assert "UNUSED" not in text and "requires_grad_(False)" not in text and "remove them" not in text, text
+
+
+@pytest.mark.parametrize("form", ["functional", "module"])
+def test_routed_experts_are_safe_in_every_form(form):
+    """masked_branch's module branches are units of no module: the simulated DDP wrapper ties
+    the ones that did not run, as the real wiring does, exactly as for MaskedBranch."""
+    report = find_divergent_parameters(fx.Experts(form), [fx.expert_rows] * 2)
+    assert report.safe and report.exit_code == 0, str(report)
+    assert states(report) == EXPERT_STATES
+    assert report.not_sampled == ["experts.3.weight", "experts.3.bias"]
+    assert groups(report) == [("experts.3", 2, "~~", "not sampled")]
+    assert_no_removal_advice(report)
+    if form == "functional":
+        assert [(r.name, r.type, r.calls, r.ran) for r in report.routing] == [
+            ("experts.0", "masked_branch", [1, 1], [1, 0]), ("experts.1", "masked_branch", [1, 1], [1, 1]),
+            ("experts.2", "masked_branch", [1, 1], [0, 1]), ("experts.3", "masked_branch", [1, 1], [0, 0])]
+        assert "experts.3 2 ~~ not sampled: masked_branch routed no row to it on any rank" in flat(report)
+    else:
+        assert "not sampled: MaskedBranch experts ran branches 0-2 of 4 in 2 calls" in flat(report)
+
+
+def test_per_token_expert_router():
+    """Tokens [B, T, d] routed per token to their top-2 experts, on 4 ranks: the functional form
+    gives the module form's graph on every rank."""
+    inputs = [lambda: torch.randn(1, 2, 4)] * 4
+    functional = find_divergent_parameters(fx.Experts("functional", k=2), inputs)
+    module = find_divergent_parameters(fx.Experts("module", k=2), inputs)
+    assert functional.safe and module.safe, str(functional)
+    assert states(functional) == states(module)
+    assert any("~" in s for s in states(functional).values())  # experts that some rank did not pick
+    plain = find_divergent_parameters(fx.Experts("plain", k=2), inputs)
+    assert states(plain) == {k: v.replace("~", "-") for k, v in states(functional).items()}
+    assert not plain.safe and "experts routed in plain Python" in flat(plain)
+
+
+def test_functional_drop_add_residual():
+    report = find_divergent_parameters(fx.FunctionalResidualStack(6, drop_prob=0.75), [(torch.randn(3, 4),)] * 2, seed=0)
+    assert report.safe, str(report)
+    assert {r.type for r in report.routing} == {"drop_add_residual"}
+    dropped = [r.name for r in report.routing if not any(r.ran)]
+    assert dropped  # each block is dropped on both ranks with probability 0.56: all 6 kept is 0.7%
+    assert [g.module for g in report.groups if g.finding == "not sampled"] == dropped
+    assert f"{dropped[0]} 2 ~~ not sampled: drop_add_residual dropped it on every rank" in flat(report)
+    assert_no_removal_advice(report)
+
+
+def test_routed_branches_are_never_told_remove_or_freeze():
+    """One rank, where nothing diverges: a branch the routing did not pick is a routing choice."""
+    for model in (fx.Experts("functional"), fx.Experts("module")):
+        report = find_unused_parameters(model, fx.expert_rows(0))
+        assert report.safe and report.not_sampled == ["experts.2.weight", "experts.2.bias", "experts.3.weight",
+                                                      "experts.3.bias"], str(report)
+        assert_no_removal_advice(report)
+    assert_no_removal_advice(find_unused_parameters(fx.FunctionalResidualStack(4, drop_prob=0.9), torch.randn(2, 4)))
+
+
+def test_plain_if_else_experts_are_reported_as_plain_routing():
+    """The same experts called by a Python loop: what they are (experts routed in plain Python),
+    with the advice to route them, never to remove them."""
+    report = find_divergent_parameters(fx.Experts("plain"), [fx.expert_rows] * 2)
+    assert groups(report) == [("experts.0", 2, "+-", "divergent"), ("experts.2", 2, "-+", "divergent"),
+                              ("experts.3", 2, "--", "choice not sampled")]
+    text = flat(report)
+    assert "DIVERGENT: not in the graph on rank 1: experts routed in plain Python" in text
+    assert "NOT SAMPLED (plain Python routing): other experts in experts are used on some ranks only" in text
+    # the same rows on every rank: no expert diverges, and the ones no row picked are still choices
+    for report in (find_divergent_parameters(fx.Experts("plain"), [fx.expert_rows(0)] * 2),
+                   find_unused_parameters(fx.Experts("plain"), fx.expert_rows(0))):
+        assert [(g.module, g.finding) for g in report.groups if g.finding != "ok"] == [
+            ("experts.2", "choice not sampled"), ("experts.3", "choice not sampled")]
+        assert report.unused == ["experts.2.weight", "experts.2.bias", "experts.3.weight", "experts.3.bias"]
+        assert not report.safe and report.exit_code == 1
+        text = flat(report)
+        assert "NOT SAMPLED (plain Python routing): other experts in experts are used" in text
+        assert "do not delete them or freeze them" in text and "maskedbranch.masked_branch" in text
+        assert_no_removal_advice(report)
+
+
+def test_hugging_face_nllb_moe():
+    """NLLB-MoE routes each token to experts with a Python loop over the experts it hit; the same
+    inputs on every rank leave the others out of the graph everywhere: routing choices, not unused
+    weights. Routed through masked_branch instead, the model is safe."""
+    pytest.importorskip("transformers")
+    report = find_divergent_parameters(fx.nllb_moe(), [fx.nllb_moe_inputs()] * 2)
+    bad = [g for g in report.groups if g.finding != "ok"]
+    assert bad and {g.finding for g in bad} == {"choice not sampled"}, str(report)
+    assert all(".ffn.experts.expert_" in g.module for g in bad)
+    assert "other experts in encoder.layers.1.ffn.experts are used" in flat(report)
+    assert_no_removal_advice(report)
+    report = find_divergent_parameters(fx.nllb_moe(routed=True), [fx.nllb_moe_inputs()] * 2)
+    assert report.safe and report.not_sampled, str(report)
+    assert {g.finding for g in report.groups} == {"ok", "not sampled"}
+    assert "masked_branch routed no row to it on any rank" in flat(report)
+
+
+def test_transformers_layerdrop_plain_and_patched():
+    pytest.importorskip("transformers")
+    import hf_tiny
+    from maskedbranch.integrations import transformers as mb_hf
+
+    model, inputs = hf_tiny.build("bart")
+    report = find_divergent_parameters(model, [Inputs(**inputs)] * 2, seed=0)
+    assert not report.safe and report.divergent
+    assert "Hugging Face LayerDrop: maskedbranch.integrations.transformers.patch(model) routes it" in flat(report)
+    assert_no_removal_advice(report)
+    mb_hf.patch(model)
+    report = find_divergent_parameters(model, [Inputs(**inputs)] * 2, seed=0)
+    assert report.safe, str(report)
+    assert {r.type for r in report.routing} == {"LayerDrop"}
+    sampled = [g.module for g in report.groups if g.finding == "not sampled"]
+    assert sampled and all(m.startswith(("encoder.layers.", "decoder.layers.")) for m in sampled)
+    assert "not sampled: LayerDrop encoder.layers ran branches" in flat(report)
+
+
+@pytest.mark.parametrize("materialize_grads", [True, False])
+def test_patched_timm_model(materialize_grads):
+    """A patched timm block skips its dropped rows' branches and ties them in with each call:
+    zeros, or no gradient (DDP fills zeros)."""
+    timm = pytest.importorskip("timm")
+    from maskedbranch.integrations import timm as mb_timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, drop_path_rate=0.9,
+                              img_size=32, patch_size=8, embed_dim=32, num_heads=2, depth=3)
+    mb_timm.patch(model, materialize_grads=materialize_grads)
+    report = find_divergent_parameters(model, [(torch.randn(2, 3, 32, 32),)] * 2, seed=0)
+    assert report.safe, str(report)
+    tied = "0" if materialize_grads else "~"
+    assert any(tied in p.ranks for p in report.parameters)  # branches dropped on some rank
+    assert_no_removal_advice(report)
+
+
+def test_functional_units_are_left_as_found():
+    model = fx.Experts("functional")
+    model(fx.expert_rows(2)).sum().backward()  # a training step's record: experts 2 and 3 ran
+    before = [(u.bits, u.called) for u in _functional.units_in(list(model.experts))]
+    assert before == [(0, True), (0, True), (1, True), (1, True)]  # what the step-time pruning will read
+    find_divergent_parameters(model, [fx.expert_rows] * 2)
+    assert [(u.bits, u.called) for u in _functional.units_in(list(model.experts))] == before
+    fresh = fx.Experts("functional")  # units made by the doctor's own calls keep no record
+    find_divergent_parameters(fresh, [fx.expert_rows] * 2)
+    assert [(u.bits, u.called) for u in _functional.units_in(list(fresh.experts))] == [(0, False)] * 4
+
+
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+def test_functional_routing_trains_under_real_ddp():
+    """The functional-routing model the doctor calls safe, under real 2-rank DDP (gloo,
+    find_unused_parameters=False): both iterations finish, and every rank holds the same
+    gradients, the average of the ranks' own (an expert a rank did not run counts as zero)."""
+    assert find_divergent_parameters(fx.Experts("functional"), [fx.expert_rows] * 2).safe
+    ranks = run_ranks(_functional_ddp_worker, 2, timeout_s=180, what="the DDP job")
+    torch.manual_seed(0)
+    model = fx.Experts("functional")
+    for step in range(2):
+        own = []
+        for r in range(2):
+            model.zero_grad(set_to_none=True)
+            (0.5 * model(fx.expert_rows(r)) ** 2).sum().backward()
+            own.append({k: torch.zeros_like(p) if p.grad is None else p.grad.clone() for k, p in model.named_parameters()})
+        want = {k: (own[0][k] + own[1][k]) / 2 for k in own[0]}
+        for r, steps in enumerate(ranks):
+            got = steps[step]
+            assert got.keys() == want.keys()
+            for k in want:
+                assert got[k] is not None, f"rank {r}, step {step}: {k} has no gradient"
+                torch.testing.assert_close(got[k], want[k], msg=lambda m: f"rank {r}, step {step}, {k}: {m}")
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p -= 0.1 * want[k]
+
+
+def _functional_ddp_worker(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(fx.Experts("functional"), find_unused_parameters=False)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    steps = []
+    for step in range(2):
+        opt.zero_grad(set_to_none=True)
+        (0.5 * ddp(fx.expert_rows(rank)) ** 2).sum().backward()
+        steps.append({k: None if p.grad is None else p.grad.clone() for k, p in ddp.module.named_parameters()})
+        opt.step()
+    torch.save(steps, os.path.join(out_dir, f"rank{rank}.pt"))
+    leave_job()
 
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
@@ -413,6 +615,9 @@ _DDP_CASES = {  # name: (model factory, rank -> inputs); every rank draws the sa
     "residual_drop_path": (lambda: fx.ResidualStack(3, drop_prob=0.5), lambda r: (torch.ones(2, 4),)),
     "not_called": (fx.NotCalled, lambda r: (torch.ones(2, 4),)),
     "bypassed": (fx.Bypassed, lambda r: Inputs(torch.ones(2, 4), choice=r)),
+    "functional_experts": (fx.Experts, lambda r: (fx.expert_rows(r),)),
+    "plain_experts": (lambda: fx.Experts("plain"), lambda r: (fx.expert_rows(r),)),
+    "functional_residual": (lambda: fx.FunctionalResidualStack(3, drop_prob=0.5), lambda r: (torch.ones(2, 4),)),
 }
 
 

@@ -131,3 +131,18 @@ def test_cli_make_inputs_per_rank_and_file_targets(capsys, tmp_path):
     assert code == 1 and "2 simulated ranks" in out
     assert "  a       2       +-     DIVERGENT: not in the graph on rank 1" in out
     assert "  b       2       -+     DIVERGENT: not in the graph on rank 0" in out
+
+
+def test_cli_routed_and_plain_experts(capsys):
+    """Experts routed by the functional masked_branch are safe (the one no rank picked is not
+    sampled); the same experts called by a Python loop are routing choices, never 'unused'."""
+    code, out, _ = cli(capsys, "doctor_fixtures:functional_experts", "--ranks", "2")
+    assert code == 0 and "Verdict: safe" in out, out
+    assert "not sampled: masked_branch routed no row to it on any rank" in out and "UNUSED" not in out
+    code, out, _ = cli(capsys, "doctor_fixtures:plain_experts", "--ranks", "2")
+    assert code == 1, out
+    rows = [ln.split()[:4] for ln in out.splitlines() if ln.startswith("  experts.")]
+    assert rows == [["experts.2", "2", "--", "NOT"], ["experts.3", "2", "--", "NOT"]], out
+    said = " ".join(out.split())
+    assert "NOT SAMPLED (plain Python routing): other experts in experts are used" in said
+    assert "UNUSED" not in out and "requires_grad_(False)" not in out and "remove them" not in out

@@ -1,11 +1,15 @@
 """The library entry points: simulate DDP ranks in this process, sort the parameters into
 findings (report.py) and group them by module.
 
-Routing modules tie the parameters of skipped branches into the graph in a DDP job, not in one
-process: the ranks run under ``as_if_under_ddp`` so that the graph is the one DDP would see.
-Forward pre-hooks count each routing module's calls; the branches that ran are the bits the
-module records for the step-time pruning (maskedbranch/unused_grads.py). Together they tell a
-branch that no rank sampled from a parameter that nothing uses.
+The routing (the modules MaskedBranch and ResidualDropPath, the functional masked_branch and
+drop_add_residual, the patched timm and transformers models) ties the parameters of skipped
+branches into the graph in a DDP job, not in one process: the ranks run under
+``as_if_under_ddp`` so that the graph is the one DDP would see. Forward pre-hooks count each
+routing module's calls; the branches that ran are the bits each routing unit records for the
+step-time pruning (maskedbranch/unused_grads.py). Together they tell a branch that no rank
+sampled from a parameter that nothing uses. Routing in plain Python (if/else, a loop over the
+experts a router hit) is named as such where the model shows it: siblings that diverge, experts,
+a Hugging Face LayerDrop stack.
 """
 from __future__ import annotations
 
@@ -16,9 +20,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .. import _wiring
-from ..residual import ResidualDropPath
+from .. import _functional, _structure, _unit, _wiring
+from ..integrations._transformers_rules import RULES as _HF_LAYERDROP
 from ..nn import MaskedBranch
+from ..residual import ResidualDropPath
 from . import report as R
 from .rank import Inputs, RankError, restore_buffers, run_rank, snapshot_buffers
 
@@ -117,18 +122,47 @@ def find_divergent_parameters(
 
 
 class _Watch:
-    """Each routing module's calls and rows per rank (forward pre-hooks) and the branches that ran
-    (the bits the module records for the step-time pruning, put back as they were afterwards)."""
+    """What every routing unit in the model did per rank: the calls and rows of each routing module
+    (forward pre-hooks) and the groups that ran (the unit's record, which the step-time pruning
+    reads: put back as it was afterwards). The units are the module forms' (MaskedBranch,
+    ResidualDropPath, the transformers patch's LayerDrop lists), found by module, and the
+    functional forms' (``masked_branch``, ``drop_add_residual``: one unit per module branch),
+    found by their branch modules, also when a rank's first call makes them."""
 
     def __init__(self, model: nn.Module) -> None:
-        names = {id(m): name for name, m in model.named_modules()}
-        self.mods = [m for m in model.modules() if isinstance(m, _ROUTERS)]
-        self.routing = [R.RoutingUse(names[id(m)], type(m).__name__, [names.get(id(u), "?") for u in m._unit_modules()],
-                                     drop_prob=getattr(m, "drop_prob", None), mode=getattr(m, "mode", ""))
-                        for m in self.mods]
-        self.saved = [m._unit.bits for m in self.mods]
-        self.handles = [m.register_forward_pre_hook(functools.partial(self._pre, r), with_kwargs=True)
-                        for m, r in zip(self.mods, self.routing)]
+        self.model = model
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.units: List[_unit.RoutingUnit] = []
+        self.routing: List[R.RoutingUse] = []
+        self.hooked: List[bool] = []  # a routing module whose calls the forward should make itself
+        self.saved: List[Tuple[int, int, bool, Any]] = []  # each unit's record: bits, cond, called, held
+        self.handles: List[Any] = []
+        self.ranks = self.done = 0  # ranks started, ranks finished
+        for m in _unit.routing_modules(model):
+            self._add(m._unit, m)
+        self._add_functional()
+
+    def _add(self, unit: _unit.RoutingUnit, module: Optional[nn.Module], fresh: bool = False) -> None:
+        modules = unit.group_modules()
+        if unit in self.units or not unit.groups():
+            return  # (a patched timm block ties per call and has no groups to report)
+        if module is None:  # a functional form's module branch: its unit is named after the branch
+            name, kind = self.names.get(id(modules[0]), "?"), unit.where
+        else:
+            name, kind = self.names[id(module)], _kind(module)
+        r = R.RoutingUse(name, kind, [self.names.get(id(u), "?") for u in modules],
+                         calls=[0] * self.ranks, ran=[0] * self.done, functional=module is None,
+                         drop_prob=getattr(module, "drop_prob", None), mode=getattr(module, "mode", ""))
+        self.units.append(unit)
+        self.routing.append(r)
+        self.hooked.append(isinstance(module, _ROUTERS))
+        self.saved.append((0, 0, False, None) if fresh else (unit.bits, unit.cond, unit.called, unit.held))
+        if module is not None:
+            self.handles.append(module.register_forward_pre_hook(functools.partial(self._pre, r), with_kwargs=True))
+
+    def _add_functional(self, fresh: bool = False) -> None:
+        for unit in _functional.units_in(list(self.model.modules())):
+            self._add(unit, None, fresh)
 
     @staticmethod
     def _pre(r: R.RoutingUse, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -137,35 +171,49 @@ class _Watch:
         r.rows += x.shape[0] if isinstance(x, Tensor) and x.dim() > 0 else 0
 
     def start(self) -> None:
-        for m, r in zip(self.mods, self.routing):
+        self.ranks += 1
+        for u, r in zip(self.units, self.routing):
             r.calls.append(0)
-            m._unit.bits, m._unit.called = 0, False
+            u.bits, u.cond, u.called, u.held = 0, 0, False, None
 
     def stop(self) -> None:
-        for m, r in zip(self.mods, self.routing):
-            r.ran.append(m._unit.bits)
+        self._add_functional(fresh=True)  # units made by this rank's calls (their records are this rank's)
+        self.done += 1
+        for u, r in zip(self.units, self.routing):
+            u.settle_held()
+            if not r.calls[-1] and (u.called or u.bits or u.cond):
+                r.calls[-1] = 1  # a call no hook sees: a functional form's, a LayerDrop list's
+            r.ran.append(u.bits)
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
-        for m, bits in zip(self.mods, self.saved):
-            m._unit.bits = bits
+        for u, (bits, cond, called, held) in zip(self.units, self.saved):
+            u.bits, u.cond, u.called, u.held = bits, cond, called, held
+
+
+def _kind(module: nn.Module) -> str:
+    if isinstance(module, _ROUTERS):
+        return type(module).__name__
+    return "LayerDrop" if isinstance(module, _structure.RoutingModuleList) else f"routing module {type(module).__name__}"
 
 
 def _classify(model: nn.Module, params: List[Tensor], uses: List[R.ParameterUse], watch: _Watch,
               ran: List[int]) -> List[str]:
     """Set each parameter's finding and detail; return the routing modules never called."""
     routing = watch.routing
-    owners: Dict[int, List[Tuple[int, int]]] = {}  # id(param) -> [(routing module, branch)], outer first
-    for k, m in enumerate(watch.mods):
-        for i, ps in enumerate(m._unit_groups()):
+    owners: Dict[int, List[Tuple[int, int]]] = {}  # id(param) -> [(routing unit, group)], outer first
+    for k, u in enumerate(watch.units):
+        for i, ps in enumerate(u.groups()):
             for p in ps:
                 owners.setdefault(id(p), []).append((k, i))
     idle = [bool(ran) and not any(r.calls[i] for i in ran) for r in routing]
     # A module inside a branch that never ran was not called because of that: not a finding.
     unsampled = [u + "." for r in routing for i, u in enumerate(r.units) if not r.branch_ran(i)]
-    not_called = [r.name for k, r in enumerate(routing) if idle[k] and not any(r.name.startswith(u) for u in unsampled)]
+    not_called = [r.name for k, r in enumerate(routing)
+                  if idle[k] and watch.hooked[k] and not any(r.name.startswith(u) for u in unsampled)]
     divergent = [u.name for u in uses if u.kind == "divergent"]
+    used = [u.name for u in uses if u.used_on]
     modules = dict(model.named_modules())
     for p, u in zip(params, uses):
         own = owners.get(id(p), [])
@@ -175,37 +223,82 @@ def _classify(model: nn.Module, params: List[Tensor], uses: List[R.ParameterUse]
                 units.setdefault(k, []).append(i)
             unpicked = [k for k, us in units.items() if not any(routing[k].branch_ran(i) for i in us)]
             if unpicked and R.GRAD not in u.ranks:
-                u.finding, u.detail = R.NOT_SAMPLED, _sampling(routing[unpicked[0]])
+                u.finding, u.detail = R.NOT_SAMPLED, _sampling(routing[unpicked[0]], len(ran))
         elif u.kind == "divergent":
             u.finding = R.DIVERGENT
+            plain = _plain_routing(_container(u.name, modules), modules)
+            u.detail = (plain[1] or f"{plain[0]} routed in plain Python") if plain else ""
             for k, _ in own:
                 r = routing[k]
-                if idle[k]:
+                if idle[k] and watch.hooked[k]:
                     u.detail = f"{r.type} {r.name} is never called: its branches are called directly"
-                elif not all(r.calls[i] for i in ran):
-                    u.detail = f"{r.type} {r.name} is called on ranks {R.ranks_text([i for i in ran if r.calls[i]])} only"
+                elif any(r.calls) and not all(r.calls[i] for i in ran):
+                    u.detail = f"{_called(r)} on rank{R.plural(sum(1 for i in ran if r.calls[i]))} " \
+                               f"{R.ranks_text([i for i in ran if r.calls[i]])} only"
         elif u.kind == "unused":
             uncalled = [routing[k] for k, _ in own if routing[k].name in not_called]
             # A plain-Python routing choice: the nearest ModuleList / ModuleDict above it holds
-            # parameters that diverge between ranks.
-            parts = u.name.split(".")[:-1]
-            lists = [".".join(parts[:n]) for n in range(len(parts), 0, -1)
-                     if isinstance(modules.get(".".join(parts[:n])), (nn.ModuleList, nn.ModuleDict))]
+            # parameters that diverge between ranks, or it holds experts of which others are used.
+            container = _container(u.name, modules)
+            plain = _plain_routing(container, modules)
             if uncalled:
                 u.finding, u.detail = R.NOT_CALLED, _never_called(uncalled[0])
-            elif lists and any(d.startswith(lists[0] + ".") for d in divergent):
-                u.finding, u.detail = R.CHOICE, f"other choices in {lists[0]} are used on some ranks only"
+            elif own:  # a routed branch out of the graph on every rank: its routing ran on none
+                u.finding, u.detail = R.NOT_CALLED, f"{_called(routing[own[0][0]])} on no rank"
+            elif container and any(d.startswith(container + ".") for d in divergent):
+                what, how = plain or ("choices", "")
+                u.finding = R.CHOICE
+                u.detail = f"other {what} in {container} are used on some ranks only" + (how and "; " + how)
+            elif plain and any(d.startswith(container + ".") for d in used):
+                what, how = plain
+                u.finding, u.detail = R.CHOICE, f"other {what} in {container} are used" + (how and "; " + how)
             else:
                 u.finding = R.UNUSED_
     return not_called
+
+
+def _container(name: str, modules: Dict[str, nn.Module]) -> str:
+    """The nearest ModuleList / ModuleDict above parameter ``name`` ("" if none)."""
+    parts = name.split(".")[:-1]
+    return next((".".join(parts[:n]) for n in range(len(parts), 0, -1)
+                 if isinstance(modules.get(".".join(parts[:n])), (nn.ModuleList, nn.ModuleDict))), "")
+
+
+def _plain_routing(container: str, modules: Dict[str, nn.Module]) -> Optional[Tuple[str, str]]:
+    """(what its members are, what routes them) when the model says that plain Python routes
+    between the members of ``container``: the layers of a Hugging Face LayerDrop stack the
+    transformers patch has not replaced, or experts (a container or container class named so, as
+    Hugging Face's MoE layers name theirs: ``experts``, ``NllbMoeExperts``)."""
+    if not container:
+        return None
+    module, last = modules[container], container.rsplit(".", 1)[-1]
+    parent = modules.get(container.rpartition(".")[0] if "." in container else "")
+    if last == "layers" and parent is not None and any(
+            f"{c.__module__}.{c.__qualname__}" in _HF_LAYERDROP for c in type(parent).__mro__):
+        return "layers", "Hugging Face LayerDrop: maskedbranch.integrations.transformers.patch(model) routes it"
+    if "expert" in last.lower() or "expert" in type(module).__name__.lower():
+        return "experts", ""
+    return None
+
+
+def _called(r: R.RoutingUse) -> str:
+    if r.functional:
+        return f"{r.type} ran with {r.name} as a branch"
+    return f"{r.type} {r.name} is called"
 
 
 def _never_called(r: R.RoutingUse) -> str:
     return f"{r.type} {r.name} is in the model, but the forward never calls it"
 
 
-def _sampling(r: R.RoutingUse) -> str:
+def _sampling(r: R.RoutingUse, ranks: int) -> str:
     calls = sum(r.calls)
+    if r.functional:
+        # (a call that ties zeros itself records nothing: no calls seen, yet in the graph on every rank)
+        some = f"on the {calls} rank{R.plural(calls)} that called it" if 0 < calls < ranks else ""
+        if r.type == "drop_add_residual":
+            return f"drop_add_residual dropped it {some or 'on every rank'}"
+        return f"{r.type} routed no row to it {some or 'on any rank'}"
     if r.drop_prob is not None:
         p = float(r.drop_prob)
         skipped = p ** (r.rows if r.mode == "row" else calls)  # the chance of these draws

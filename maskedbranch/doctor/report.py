@@ -19,15 +19,21 @@ OK, NOT_SAMPLED, DIVERGENT, CHOICE, NOT_CALLED, UNUSED_ = (
 # finding -> (the table's words, the verdict's words, the advice)
 _FINDINGS = {
     DIVERGENT: ("DIVERGENT", "used on some ranks only",
-                "Used on some ranks only: route with maskedbranch.MaskedBranch (if/else, random or top-k choices) "
-                "or maskedbranch.ResidualDropPath (LayerDrop, stochastic depth), which keep skipped branches in the "
-                "graph without computing them, or use DistributedDataParallel(..., find_unused_parameters=True)."),
+                "Used on some ranks only: route with maskedbranch.MaskedBranch or maskedbranch.masked_branch (if/else, "
+                "random or top-k choices, experts) or maskedbranch.ResidualDropPath or maskedbranch.drop_add_residual "
+                "(LayerDrop, stochastic depth; a Hugging Face model's LayerDrop: "
+                "maskedbranch.integrations.transformers.patch(model)), which keep skipped branches in the graph "
+                "without computing them, or use DistributedDataParallel(..., find_unused_parameters=True)."),
     CHOICE: ("NOT SAMPLED (plain Python routing)", "of routing choices that no rank picked",
-             "Routing choices that no rank picked (other choices in the same container differ between ranks) "
-             "are not dead weight: do not delete them; route with maskedbranch.MaskedBranch as above."),
+             "Routing choices that no rank picked (experts, branches or layers whose siblings in the same container "
+             "are used) are not dead weight: do not delete them or freeze them. Route the choice with "
+             "maskedbranch.MaskedBranch or maskedbranch.masked_branch (a Hugging Face model's LayerDrop: "
+             "maskedbranch.integrations.transformers.patch(model)), which keeps the choices no rank picked in the "
+             "graph, or use DistributedDataParallel(..., find_unused_parameters=True)."),
     NOT_CALLED: ("NOT CALLED", "of routing modules never called",
                  "Call each routing module itself on every rank (choices(x, gate), gate -1 for no branch), not its "
-                 "branches (choices[i](x)), or remove it if the model does not need it."),
+                 "branches (choices[i](x)); call a functional form (masked_branch, drop_add_residual) with its "
+                 "branches on every rank too; or remove the routing if the model does not need it."),
     UNUSED_: ("UNUSED", "unused on every rank",
               "Unused on every rank: if no input uses them, remove them or freeze them (p.requires_grad_(False)) "
               "before wrapping the model in DDP; if some inputs or draws do, route with maskedbranch.MaskedBranch."),
@@ -63,7 +69,8 @@ class ParameterUse:
 
 @dataclass
 class RoutingUse:
-    """What one MaskedBranch / ResidualDropPath did on each simulated rank."""
+    """What one routing unit did on each simulated rank: a routing module's (MaskedBranch,
+    ResidualDropPath, a patched LayerDrop list), or a functional form's module branch."""
 
     name: str
     type: str
@@ -73,6 +80,7 @@ class RoutingUse:
     rows: int = 0  # rows of x over all calls
     drop_prob: Optional[float] = None  # ResidualDropPath's
     mode: str = ""
+    functional: bool = False  # a functional form's module branch (name: the branch; calls: 1 per rank that ran it)
 
     def branch_ran(self, i: int) -> bool:
         return any(bits >> i & 1 for bits in self.ran)
