@@ -436,3 +436,48 @@ def traced_signature(owner: nn.Module, x: Tensor) -> Optional[Tuple[tuple, torch
         return None
     found = _signature_while_tracing(id(owner), trailing, str(x.dtype))
     return None if found is None else (tuple(found[0]), _DTYPES[found[1]], tuple(found[2]))
+
+
+# ----------------------------------------------------------------------------------------------
+# An int gate, as if/else compiles it.
+
+
+def inline(owner: nn.Module, branches: Sequence[Any], x: Tensor, k: int, mode: Any) -> Optional[Tuple[Tensor, int]]:
+    """Under torch.compile, a Python int gate ``k`` (checked) as if/else compiles ``branches[k](x)``:
+    the chosen branch inlined in the graph, which Dynamo guards on ``k`` (a graph per choice,
+    where if/else has one); -1 gives zeros of the branches' output signature (the caller ties
+    ``x`` in where the mode says). Returns (output, the groups that ran as a bit mask), or None where
+    the call must tie its dead branches' parameters itself (explicit settings, FSDP2, DDP's
+    Python reducer) or the signature of -1 is unknown: those take :func:`stacked` / :func:`conds`,
+    one graph for every choice. A 0-d tensor gate is that one-graph form."""
+    if mode.call_ties is not None:
+        return None
+    _count_int_graph(id(owner))
+    if k >= 0:
+        return branches[k](x), 1 << k
+    sig = traced_signature(owner, x)
+    if sig is None:
+        return None
+    return x.new_zeros((x.shape[0], *sig[0]), dtype=sig[1]), 0
+
+
+@torch.compiler.assume_constant_result
+def _count_int_graph(key: int) -> int:
+    """Runs once per traced graph: warns once per module when its int gates have made one graph
+    less than Dynamo's recompile limit (the next choice would send the frame to eager mode)."""
+    owner = _unit.module_by_id(key)
+    if owner is None:
+        return 0
+    unit = owner._unit
+    unit.int_graphs += 1
+    count, limit = unit.int_graphs, _compat.recompile_limit()
+    if limit is not None and count == max(2, limit - 1):
+        where = unit.where
+        warnings.warn(
+            f"{where}: torch.compile has traced {count} graphs for its int gate, one per choice as for "
+            f"if/else; at {limit} (torch._dynamo.config.recompile_limit) Dynamo runs the model eagerly. "
+            "A 0-d integer tensor gate (torch.tensor(k)) compiles every choice into one graph "
+            "(docs/guides/compile.md).",
+            stacklevel=2,
+        )
+    return count

@@ -32,6 +32,9 @@ with a public fallback that the tests exercise (tests/test_compat.py).
   that has not announced itself (a DDP built before any routing module existed in a
   distributed job); read when a unit decides, never per call. Fallback: None (the unit decides
   as in one process until the wrapper's own hooks or DDP's record find it).
+* :func:`recompile_limit`: Dynamo's limit of graphs per frame (``torch._dynamo.config.
+  recompile_limit``, ``cache_size_limit`` before torch 2.7), for the warning that int gates
+  approach it. Fallback: None (no warning).
 * :func:`is_view_of`: whether a tensor is ``x`` or a view of it (``Tensor._base``), read on meta
   tensors while a graph is traced, so that a branch that returns its input is given a copy
   inside ``torch.cond`` (which refuses outputs aliasing inputs). Fallback: True (a copy always).
@@ -46,7 +49,7 @@ from torch import nn
 
 __all__ = ["functorch_active", "tracing", "compiled_autograd_tracing", "active_ddp", "ddp_python_reducer", "ddp_join_active",
            "inductor_layout_optimization", "captures_data_dependent", "is_view_of", "wrapper_on_stack",
-           "fsdp_module_type"]
+           "fsdp_module_type", "recompile_limit"]
 
 _functorch_check = getattr(torch._C, "_are_functorch_transforms_active", None)
 
@@ -84,7 +87,8 @@ def compiled_autograd_tracing() -> bool:
 _DDP = nn.parallel.DistributedDataParallel
 _HAS_ACTIVE_ATTR = hasattr(_DDP, "_active_ddp_module")
 _force_fallback = {"functorch": False, "ddp": False, "python_reducer": False, "compiled_autograd": False, "join": False,
-                   "inductor": False, "capture": False, "views": False, "stack": False}  # set by the tests of the fallbacks
+                   "inductor": False, "capture": False, "views": False, "stack": False,
+                   "recompile_limit": False}  # set by the tests of the fallbacks
 _PYTHON_REDUCER = ("python_reducer", "python_reducer_without_compiled_forward")
 
 
@@ -201,3 +205,15 @@ def wrapper_on_stack() -> Optional[nn.Module]:
                 found = m
         f = f.f_back
     return found
+
+
+def recompile_limit() -> Optional[int]:
+    """How many graphs Dynamo compiles for one frame before it runs the frame eagerly."""
+    if _force_fallback["recompile_limit"]:
+        return None
+    config = getattr(getattr(torch, "_dynamo", None), "config", None)
+    for name in ("recompile_limit", "cache_size_limit"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None

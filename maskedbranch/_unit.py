@@ -149,7 +149,7 @@ class RoutingUnit:
         "owner", "where", "materialize",
         "wrapper_id", "mode", "row", "wiring", "probe", "version",
         "bits", "called", "cond", "held", "seen", "traced",
-        "table", "signatures", "choice", "__weakref__",
+        "table", "signatures", "choice", "int_graphs", "__weakref__",
     )
 
     def __init__(self, owner: Any, where: str, materialize: Optional[bool]):
@@ -171,6 +171,7 @@ class RoutingUnit:
         self.table: Any = None  # the owner's branch table (maskedbranch/_structure.py), or None
         self.signatures: Any = None  # the branches' output signatures (maskedbranch/_signatures.py)
         self.choice: Optional[int] = None  # the compiled form of a whole-batch choice (maskedbranch/_choice.py)
+        self.int_graphs = 0  # graphs traced with an int choice inlined (maskedbranch/_choice.py, inline)
         if isinstance(owner, nn.Module):
             note_module(owner)
         DATA_PARALLEL.created(self)
@@ -305,6 +306,7 @@ class RoutingUnit:
         self.seen = torch.zeros(self.seen.shape[0], dtype=torch.uint8)
         self.traced = False
         self.signatures = None
+        self.int_graphs = 0
 
 
 class Held:

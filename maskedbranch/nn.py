@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 import torch.distributed as dist
 
-from . import _compat, _functional, _route, _structure, _unit
+from . import _choice, _compat, _functional, _route, _structure, _unit
 from ._signatures import Signatures
 from ._unit import Mode, materialize, materialize_name
 
@@ -149,6 +149,13 @@ class MaskedBranch(_structure.RoutingModuleList):
         if unit.signatures is None and not compiling:
             unit.signatures = Signatures()
         if compiling:
+            if type(gate) is int and not args and not kwargs:  # as if/else compiles it: a graph per choice
+                _route.normalize_gate(gate, x, len(self._modules))  # a bad id fails as in eager mode
+                inlined = _choice.inline(self, list(self._modules.values()), x, gate, mode)
+                if inlined is not None:
+                    out, ran = inlined
+                    _route.record(unit, ran)
+                    return out if ran else _route.tie_unrun(out, mode, inputs=(x,))
             chosen = _route.choose(self, list(self._modules.values()), x, gate, args, kwargs, mode)
             if chosen is not None:  # an int or 0-d gate: the chosen branch alone, in one graph
                 _route.record(unit, chosen[1])

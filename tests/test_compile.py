@@ -22,6 +22,7 @@ import contextlib
 import copy
 import random
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -128,12 +129,55 @@ def test_tensor_gates_compile_whole(kind):
     assert graphs[-1] == 1, graphs
 
 
-def test_int_gate_compiles_whole_and_becomes_data():
-    """A Python int: the first graph bakes it in; when it changes Dynamo makes it dynamic and
-    the second graph serves every value (-1, no branch, included)."""
+class IfElse(nn.Module):
+    """The if/else code a MaskedBranch with an int gate replaces (-1: zeros)."""
+
+    def __init__(self, branches):
+        super().__init__()
+        self.branches = nn.ModuleList(branches)
+
+    def forward(self, x, k):
+        return self.branches[k](x) if k >= 0 else torch.zeros_like(x)
+
+
+def ifelse_graphs(branches, ints, x=None) -> int:
+    """How many graphs torch.compile makes for the if/else code over ``ints``, a gate per step."""
+    backend = Counting()
+    compiled = torch.compile(IfElse(copy.deepcopy(branches)), backend=backend, fullgraph=True)
+    x = torch.randn(B, D) if x is None else x
+    for k in ints:
+        out = compiled(x, k)
+        if out.requires_grad:
+            out.sum().backward()
+    torch.compiler.reset()
+    return backend.compiled
+
+
+def test_int_gate_compiles_as_if_else():
+    """A Python int: the chosen branch inlined, a graph per choice exactly where if/else makes
+    one (-1, no branch, included), the other branches not in the graph, no graph break."""
     torch.manual_seed(0)
-    graphs = assert_steps(mb.MaskedBranch([mlp() for _ in range(N)]), lambda s: (gates("int", s),), settle=3)
-    assert graphs[-1] <= 2, graphs
+    branches = [mlp() for _ in range(N)]
+    ints = [gates("int", s) for s in range(STEPS)]
+    want = ifelse_graphs(branches, ints)
+    backend = Counting()
+    graphs = assert_steps(mb.MaskedBranch(branches), lambda s: (ints[s],), backend=backend, settle=STEPS)
+    assert graphs[-1] == want, (graphs, want)
+    assert not backend.has("maskedbranch.") and not backend.has("cond"), "routing ops in an int choice's graph"
+
+
+def test_int_gates_near_the_recompile_limit_warn_once_naming_the_tensor_form():
+    torch.manual_seed(0)
+    layer = mb.MaskedBranch([nn.Linear(D, D) for _ in range(6)])
+    compiled = torch.compile(layer, backend=Counting())  # plain: past the limit, eager mode
+    x = torch.randn(B, D)
+    limit = mb._compat.recompile_limit()
+    with torch._dynamo.config.patch(**{"recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit": 4}):
+        with pytest.warns(UserWarning, match=r"traced 3 graphs for its int gate.*0-d integer tensor gate") as caught:
+            for k in (0, 1, 2, 3, 4, 5, 1):
+                compiled(x, k)
+    assert len([w for w in caught if "int gate" in str(w.message)]) == 1
+    assert limit == mb._compat.recompile_limit()
 
 
 @pytest.mark.parametrize("materialize", [None, True, False])
@@ -362,9 +406,9 @@ def test_reset_follows_a_replaced_branch_and_a_new_parameter_group():
 @pytest.mark.slow
 def test_supernet_compiles_once_for_every_path():
     """12 x 4 would be the benchmark's; 3 x 3 here, under plain torch.compile with the two
-    capture flags set (docs/guides/compile.md). The path is a forward argument: after Dynamo
-    makes its ints dynamic, one graph serves every path (the if/else supernet specializes on
-    each, so it keeps recompiling until torch's recompile limit)."""
+    capture flags set (docs/guides/compile.md). The path is a forward argument of 0-d tensors:
+    one graph serves every path. The if/else supernet specializes on each path, so it keeps
+    recompiling until torch's recompile limit, and so do int paths, which compile as if/else."""
     torch.manual_seed(0)
 
     class Supernet(nn.Module):
@@ -379,23 +423,24 @@ def test_supernet_compiles_once_for_every_path():
                 x = torch.relu(layer(x, k) if self.masked else layer[k](x))
             return x
 
-    rng = random.Random(0)
+    paths = [[random.Random(i).randrange(N) for _ in range(3)] for i in range(20)]
     counts = {}
     flags = torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
-    for masked in (True, False):
+    for form in ("tensor", "int", "if/else"):
+        torch.compiler.reset()  # Dynamo's recompile limit counts per code object, across models
         backend = Counting()
-        model = Supernet(masked)
+        model = Supernet(form != "if/else")
         compiled = torch.compile(model, backend=backend)  # plain compile: the flags a user sets for it
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        with flags:
-            for _ in range(20):
-                path = [rng.randrange(N) for _ in range(3)]
+        with flags, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the int paths' warning near the limit
+            for path in paths:
                 opt.zero_grad()
-                compiled(torch.randn(B, D), path).sum().backward()
+                compiled(torch.randn(B, D), [torch.tensor(k) for k in path] if form == "tensor" else path).sum().backward()
                 opt.step()
-        counts[masked] = backend.compiled
-    assert counts[True] <= 3, counts
-    assert counts[False] > counts[True], counts
+        counts[form] = backend.compiled
+    assert counts["tensor"] <= 2, counts
+    assert counts["int"] == counts["if/else"] > counts["tensor"], counts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -607,15 +652,19 @@ def choices(kind, step):
 @pytest.mark.parametrize("kind", ["tensor", "int"])
 def test_whole_batch_choice_with_batch_norm_equals_if_else(same, kind):
     """An int or 0-d gate over BatchNorm branches: the chosen branch's running statistics move,
-    the others' stay (a zero-weighted padded row once updated every branch's, each step); one
-    graph for every choice (two for an int: Dynamo bakes the first value in; stacked, one more
-    for -1: an int known to be >= 0 selects nothing on the output); no routed rows in
-    the graph where only the chosen branch runs (branches of one structure are stacked; others
-    take a torch.cond each, torch >= 2.13)."""
+    the others' stay (a zero-weighted padded row once updated every branch's, each step). A 0-d
+    tensor: one graph for every choice, no routed rows where only the chosen branch runs
+    (branches of one structure are stacked; others take a torch.cond each, torch >= 2.13). An
+    int: the chosen branch inlined, as many graphs as if/else makes."""
     torch.manual_seed(0)
     module = mb.MaskedBranch([conv_bn(tanh=not same and i % 2) for i in range(N)])
     backend = assert_trains_as_eager(module, lambda s: choices(kind, s))
-    assert backend.compiled <= (1 if kind == "tensor" else 3 if same and CHOICES else 2), backend.compiled
+    if kind == "int":
+        want = ifelse_graphs(list(module), [choices(kind, s)[0] for s in range(10)], x=torch.randn(B, 3, 4, 4))
+        assert backend.compiled == want, (backend.compiled, want)
+        assert not backend.has("maskedbranch.") and not backend.has("cond")
+        return
+    assert backend.compiled == 1, backend.compiled
     if (same and CHOICES) or COND:
         assert not backend.has("maskedbranch.plan"), "the routed rows ran"
         assert backend.has("cond") == (not same)
@@ -624,15 +673,15 @@ def test_whole_batch_choice_with_batch_norm_equals_if_else(same, kind):
 @pytest.mark.skipif(not CHOICES, reason="torch 2.6: no whole-batch choices (the routed rows)")
 def test_int_gate_selects_nothing_on_the_output():
     """Stacked branches under an int gate >= 0 (a supernet path): the branch's output is the
-    layer's, with no select for -1 (which made inductor save a mask per activation: 1.4x the
-    step of a 6 x 4 ReLU supernet); a 0-d tensor gate, which may hold -1, keeps the select."""
+    layer's, with no select for -1 (which makes inductor save a mask per activation); a 0-d
+    tensor gate, which may hold -1, keeps the select."""
     def table():
         torch.manual_seed(0)
         return mb.MaskedBranch([nn.Sequential(nn.Linear(D, D), nn.ReLU()) for _ in range(N)])
 
     x = torch.randn(B, D)
     ints = assert_trains_as_eager(table(), lambda s: ([0, 2, 1, 2, 0][s % 5],), x=x, steps=5)
-    assert ints.compiled == 2 and not ints.has("where"), ints.code
+    assert ints.compiled == ifelse_graphs(list(table()), [0, 2, 1, 2, 0], x=x) and not ints.has("where"), ints.code
     tensors = assert_trains_as_eager(table(), lambda s: (torch.tensor([0, 2, -1][s % 3]),), x=x, steps=3)
     assert tensors.compiled == 1 and tensors.has("where")
 
