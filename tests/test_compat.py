@@ -199,3 +199,15 @@ def test_compiled_autograd_tracing(monkeypatch, fallback):
         grads.append(x.grad)
     assert seen == [False, True]
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["config", "fallback"])
+def test_recompile_limit(monkeypatch, fallback):
+    """Dynamo's limit of graphs per frame, read from its configuration (the name changed in torch
+    2.7); the fallback knows none (and the int gates' warning stays silent)."""
+    import torch._dynamo.config as config
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    monkeypatch.setitem(_compat._force_fallback, "recompile_limit", fallback)
+    with config.patch(**{name: 5}):
+        assert _compat.recompile_limit() == (None if fallback else 5)
