@@ -2,10 +2,11 @@
 
 Why Python Functions (docs/design.md, "Autograd"): they work under torch.compile, compiled
 autograd and torch.func, where C++ autograd Functions fail under torch.func; and
-``torch.library.register_autograd`` added about 85 us per call (measured). Each Function is
+``torch.library.register_autograd`` puts a Python kernel in every call. Each Function is
 written once in the ``setup_context`` form that torch.func needs; :func:`_two_forms` derives the
-classic form from it, which eager mode uses because it costs about 40 us less per call (see
-maskedbranch/_compat.py). Both forms run the same code.
+classic form from it, which eager mode uses because the other form's ``apply`` binds its
+arguments with ``inspect.signature`` at every call (see maskedbranch/_compat.py). Both forms
+run the same code.
 
 * :class:`Gather`: ``x -> (x[rows of branch 0], ..., x[rows of branch N-1])``; backward: combine.
 * :class:`Combine`: ``(base, weights, ys) -> base + sum_i w_i * scatter(y_i)``; backward: gather
@@ -39,8 +40,8 @@ def _two_forms(cls):
         cls.setup_context(ctx, args, out)
         return out
 
-    # Named at creation: Function's metaclass names the backward node class then (renaming the
-    # class afterwards left every node "ClassicBackward" in profiles, errors and graphs).
+    # Named at creation: Function's metaclass names the backward node class then, and profiles,
+    # errors and graphs show that name.
     name = cls.__name__ + "Classic"
     Classic = type(name, (Function,), {"forward": staticmethod(forward), "backward": staticmethod(cls.backward),
                                        "__qualname__": name, "__module__": cls.__module__})
@@ -66,8 +67,8 @@ TensorMeta = Tuple[torch.Size, torch.dtype, torch.device]
 
 def _tied_meta(tensors: Sequence[Tensor], zeros: Union[bool, int]) -> Union[int, List[TensorMeta]]:
     """What the backward needs to know of the tied tensors: their metadata when it may have to
-    make zeros for them, else only their count (reading the metadata of every parameter of the
-    dead branches cost more than the rest of a tie)."""
+    make zeros for them, else only their count (reading every dead parameter's metadata would
+    be most of a tie's cost)."""
     if not zeros:
         return len(tensors)
     return [(t.shape, t.dtype, t.device) for t in tensors]
@@ -197,9 +198,8 @@ class Pick(Function):
     """``apply(index, branches, *tensors)`` -> copies of the chosen branch's tensors
     (``tensors``: k per branch, branch after branch); backward: the gradient to the chosen
     branch's tensors, zeros to the others'. Only compiled graphs call it (the stacked choices of
-    maskedbranch/_choice.py), where the op runs without a Python autograd kernel: one
-    registered on the op (``torch.library.register_autograd``) cost every compiled call of it
-    about 5 us."""
+    maskedbranch/_choice.py), where a Function keeps the op free of the Python autograd kernel
+    that one registered on it (``torch.library.register_autograd``) would add to every call."""
 
     @staticmethod
     def forward(index, branches, *tensors):

@@ -208,9 +208,8 @@ def check_id(gate: Tensor, n: int) -> Tensor:
 def _state_names(key: int) -> Tuple[tuple, tuple]:
     """The parameter and buffer names of the first branch of routing module ``key`` (by id), each
     as (submodule path, attribute, full name), answered while tracing: the stacked form then
-    reads every branch's tensors by attribute instead of tracing ``named_parameters()`` and
-    ``named_buffers()`` for every branch (Dynamo's trace of a 6 x 4 conv supernet: 1.9 s against
-    1.6 s, three runs each)."""
+    reads every branch's tensors by attribute, where tracing ``named_parameters()`` and
+    ``named_buffers()`` for every branch would put their module walks in Dynamo's trace."""
     first = _unit.module_by_id(key)._unit_modules()[0]
 
     def split(named):
@@ -223,10 +222,10 @@ def _call_swapped(module: nn.Module, param_names: tuple, buffer_names: tuple, st
                   args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``module(x, *args, **kwargs)`` with its parameters and buffers (by the names of
     :func:`_state_names`) replaced by ``state``'s tensors for the call: what
-    ``torch.func.functional_call`` does, in a few traced steps per tensor (Dynamo walked
-    functional_call's own search of the module's tensors, about 4,700 instructions a layer of
-    a conv + BatchNorm branch). A cond's branches keep functional_call: Dynamo refuses a cond
-    branch that writes into a module outside it, and lets functional_call's writes through."""
+    ``torch.func.functional_call`` does, in a few traced steps per tensor: Dynamo would trace
+    functional_call's own search of the module's tensors, layer by layer. A cond's branches
+    keep functional_call: Dynamo refuses a cond branch that writes into a module outside it,
+    and lets functional_call's writes through."""
     swapped = []
     for names, kind in ((param_names, "_parameters"), (buffer_names, "_buffers")):
         for path, name, full in names:
@@ -250,17 +249,16 @@ def stacked(owner: nn.Module, branches: Sequence[nn.Module], x: Tensor, gate: Te
     -1 unless the gate is known to be ``nonnegative`` (an int >= 0). The buffers are written back
     into the chosen branch's (``maskedbranch::put_``, nothing for -1).
 
-    The ops are opaque to the compiler: a stack and an ``index_select`` per tensor, and a
-    ``torch.where`` per branch and buffer for the write-back, were nodes that inductor fused
-    into the branch's kernels and indexed indirectly (a 6 x 4 convolution supernet with
-    BatchNorm: 494 IR nodes against 129 for one path, most of its compile time).
+    The ops are opaque to the compiler, so that the choice stays out of the branch's kernels:
+    a stack and an ``index_select`` per tensor (and a ``torch.where`` per branch and buffer for
+    the write-back) would be fused into them and indexed indirectly, which multiplies what
+    inductor compiles.
 
-    The zeros for -1 are a ``torch.where`` on the output, which costs more than its own pass
-    where the branch ends in a ReLU whose input is not saved otherwise: inductor then saves a
-    bool mask for its backward, which its CPU code stores about 20x slower than a float (a 6 x 4
-    convolution supernet with ReLU ran 1.4-1.5x one path compiled). A pick of the output (an
-    opaque copy whose gradient keeps the output) removed that, but cost the BatchNorm supernet
-    15% (benchmarks/RESULTS.md, "Where the compiled ReLU supernet ... lose their time")."""
+    The zeros for -1 are a ``torch.where`` on the output. Where the branch ends in a ReLU whose
+    input is not saved otherwise, inductor then saves a bool mask for the backward, which its
+    CPU code stores slowly; an opaque pick of the output would avoid that but costs branches
+    with BatchNorm, the common case, more (the figures: benchmarks/RESULTS.md, "Where the
+    compiled ReLU supernet ... lose their time")."""
     first = branches[0]
     n = len(branches)
     param_names, buffer_names = _state_names(id(owner))
@@ -288,11 +286,11 @@ def stacked(owner: nn.Module, branches: Sequence[nn.Module], x: Tensor, gate: Te
 
 
 def _rows(t: Tensor) -> Tensor:
-    """``t`` as a cond's operand or output: 2-D, a row per batch row. A 4-D tensor could reach a
+    """``t`` as a cond's operand or output: 2-D, a row per batch row. A 4-D tensor can reach a
     cond's subgraphs in another layout than they were traced with: inductor's layout
-    optimization (on by default on the CPU) copied activations and convolution weights
-    channels_last while the subgraphs asserted the traced strides (torch 2.14.1: "expected size
-    ... stride"); a 2-D tensor has one layout. The branches' parameters enter flattened too."""
+    optimization (on by default on the CPU) may make activations and convolution weights
+    channels_last while the subgraphs assert the traced strides; a 2-D tensor has one layout.
+    The branches' parameters enter flattened too."""
     return t.reshape(t.shape[0], -1)
 
 
@@ -449,8 +447,10 @@ def inline(owner: nn.Module, branches: Sequence[Any], x: Tensor, k: int, mode: A
     ``x`` in where the mode says). Returns (output, the groups that ran as a bit mask), or None where
     the call must tie its dead branches' parameters itself (explicit settings, FSDP2, DDP's
     Python reducer) or the signature of -1 is unknown: those take :func:`stacked` / :func:`conds`,
-    one graph for every choice. A 0-d tensor gate is that one-graph form."""
-    if mode.call_ties is not None:
+    one graph for every choice. A 0-d tensor gate is that one-graph form. Not under torch.export
+    (an exported program keeps no record), nor on torch 2.6, which cannot tell it from a compile."""
+    exporting = getattr(torch.compiler, "is_exporting", None)
+    if mode.call_ties is not None or exporting is None or exporting():
         return None
     _count_int_graph(id(owner))
     if k >= 0:

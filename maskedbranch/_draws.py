@@ -1,6 +1,8 @@
-"""Host-side draws of drop path and the factor of kept rows (maskedbranch/drop_path.py and the
-timm patch): the masks come from the same stream as timm's and torchvision's, and the factor is
-rounded to the dtype as they round it, so that results match theirs bit for bit."""
+"""The host draw of the drop paths and the factor of kept rows (maskedbranch/drop_path.py,
+maskedbranch/residual.py, the timm patch): the masks come from the same stream as timm's and
+torchvision's, and the factor is rounded to the dtype as they round it, so that results match
+theirs bit for bit. The other place a mask is drawn is x's device, in the formula itself
+(``drop_path._drop_path``), where timm draws."""
 from __future__ import annotations
 
 import math
@@ -11,9 +13,23 @@ import torch
 from torch import Tensor
 
 
-def draw(n: int, keep_prob: float, generator: Optional[torch.Generator]) -> Tensor:
-    """n Bernoulli(keep_prob) draws on the host as a float32 0/1 tensor. Same stream as timm's
-    and torchvision's ``empty(...).bernoulli_(keep_prob)`` on a CPU tensor with the same seed."""
+# Under torch.compile the draw is the op keep_draw (csrc/cpu/draw.cpp): the same draw from the
+# same default CPU generator, opaque to the compiler (which would replace a traced bernoulli_ by
+# its own random stream) and kept in program order by the token every draw mutates.
+_ORDER = torch.zeros(1, dtype=torch.int64)
+
+
+def draw(n: Any, keep_prob: float, generator: Optional[torch.Generator] = None) -> Tensor:
+    """n Bernoulli(keep_prob) draws on the host as a float32 0/1 tensor ``[n]``: the one host
+    draw. Same stream as timm's and torchvision's ``empty(...).bernoulli_(keep_prob)`` on a CPU
+    tensor with the same seed; inside a compiled graph (no ``generator``), the op keep_draw."""
+    if generator is None and torch.compiler.is_compiling():
+        # The rate as a float64 tensor made by a multiplication, which torch.compile keeps
+        # symbolic when the rate changes: a `float` argument (or torch.full's fill value) is
+        # specialized to the value seen while tracing, and the compile caches would serve it
+        # to the frames of other rates.
+        rate = torch.ones((), dtype=torch.float64) * keep_prob
+        return torch.ops.maskedbranch.keep_draw(_ORDER, n, rate)
     return torch.empty(n, dtype=torch.float32).bernoulli_(keep_prob, generator=generator)
 
 
@@ -28,49 +44,17 @@ def host_routing(
     return draw(batch, keep_prob, generator).to(torch.int64).sub_(1), scale  # 0 kept, -1 dropped
 
 
-# Under torch.compile the draw is the op keep_draw (csrc/cpu/draw.cpp): the same draw from the
-# same default CPU generator, opaque to the compiler (which would replace a traced bernoulli_ by
-# its own random stream) and kept in program order by the token every draw mutates. The factor
-# of kept rows is a tensor op there, torch's own rounding (timm's division of a mask of the
-# dtype by keep_prob), so that no float is computed in Python while tracing.
-_ORDER = torch.zeros(1, dtype=torch.int64)
-
-
-def traced_routing(mode: str, batch: Any, keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Tuple[Tensor, Any]:
-    """:func:`host_routing` inside a compiled graph: which rows are kept, a 0/1 tensor [B] (the
-    batch's one draw expanded in "batch" mode; the gate is ``keep - 1``), and the factor as a
-    0-d tensor (or 1.0)."""
-    # The rate as a float64 tensor, made by a multiplication (which torch.compile keeps symbolic
-    # when the rate is a symbolic float; torch.full((), rate) specializes it): a `float`
-    # argument of the op was specialized and then served stale by the compile caches.
-    rate = torch.ones((), dtype=torch.float64) * keep_prob
-    keep = torch.ops.maskedbranch.keep_draw(_ORDER, batch if mode == "row" else 1, rate)
-    if mode != "row":
-        keep = keep.expand(batch)
+def traced_scale(keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Any:
+    """:func:`keep_scale` inside a compiled graph: a 0-d tensor op (or 1.0), torch's own rounding
+    (timm's division of a mask of the dtype by keep_prob), so that no float is computed in
+    Python while tracing."""
     if not scale_by_keep or keep_prob == 0.0:
-        return keep, 1.0
-    return keep, torch.ones((), dtype=dtype) / keep_prob
-
-
-def traced_keep(keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Tuple[Tensor, Any]:
-    """The "batch" draw inside a compiled graph: whether the batch is kept, as a 0-d bool tensor
-    (the draw of :func:`host_routing`), and the factor as in :func:`traced_routing`."""
-    keep, scale = traced_routing("batch", 1, keep_prob, scale_by_keep, dtype)
-    return keep.reshape(()) != 0, scale
-
-
-def traced_mask(mode: str, batch: Any, keep_prob: float, scale_by_keep: bool, dtype: torch.dtype) -> Tensor:
-    """timm's scaled mask ``[B]`` in ``dtype`` (the dense formula's factor, ``mask / keep_prob``
-    rounded as timm rounds it) from the draw of :func:`traced_routing`."""
-    rate = torch.ones((), dtype=torch.float64) * keep_prob
-    keep = torch.ops.maskedbranch.keep_draw(_ORDER, batch if mode == "row" else 1, rate).to(dtype)
-    if scale_by_keep and keep_prob > 0.0:
-        keep = keep / keep_prob
-    return keep if mode == "row" else keep.expand(batch)
+        return 1.0
+    return torch.ones((), dtype=dtype) / keep_prob
 
 
 # A user's generator cannot enter a graph: with one, the draw runs eagerly (a graph break).
-# Eager mode calls host_routing directly (the disable wrapper costs about 2 us a call).
+# Eager mode calls host_routing directly, without the disable wrapper's cost per call.
 host_routing_outside_graphs = torch.compiler.disable(host_routing)
 
 

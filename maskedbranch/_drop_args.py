@@ -1,18 +1,16 @@
 """Argument checks shared by the four drop-path forms (maskedbranch/drop_path.py,
-maskedbranch/residual.py), and the deprecation path of their positional settings.
+maskedbranch/residual.py).
 
 One order everywhere: ``drop_prob`` and ``training`` (the functional forms) are positional;
-``mode``, ``scale_by_keep``, ``generator`` and the rest are keyword-only. Release 0.2 took some
-of them positionally, in two different orders; those calls still work, with a
-``DeprecationWarning``, as long as each value has the type of the setting it lands in (a string
-where a bool belongs, torchvision's ``stochastic_depth(x, p, mode, training)`` order, is a
-``TypeError`` that says what to write instead).
+``mode``, ``scale_by_keep``, ``generator`` and the rest are keyword-only. Two misreadings get a
+``TypeError`` that says what to write, where Python's own would leave the user guessing or a
+call would run in another mode: a setting passed positionally, and torchvision's
+``stochastic_depth(x, p, mode, training)`` order (a string where ``training`` belongs).
 """
 from __future__ import annotations
 
 import numbers
-import warnings
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -83,53 +81,44 @@ def check_x(x: Any) -> None:
         raise TypeError(f"x: expected a floating-point tensor (float64, float32, float16 or bfloat16), got dtype {x.dtype}")
 
 
-_ORDERS = {  # the positional order of each form, named when a string lands in `training`
-    "drop_path": "drop_path(x, drop_prob, training, *, mode=..., scale_by_keep=...)",
-    "drop_add_residual": "drop_add_residual(x, branch, drop_prob, training, *, mode=..., scale_by_keep=...)",
+_ORDERS = {  # the positional order of each form, named when a call misreads it
+    "drop_path": "drop_path(x, drop_prob, training, scale_by_keep, *, mode=..., generator=...)",
+    "drop_add_residual": "drop_add_residual(x, branch, drop_prob, training, *, mode=..., scale_by_keep=..., ...)",
+    "DropPath": "DropPath(drop_prob, scale_by_keep, *, mode=..., generator=...)",
+    "ResidualDropPath": "ResidualDropPath(branch, drop_prob, *, mode=..., scale_by_keep=..., kept=..., ...)",
 }
 
 
-def take_positional(where: str, names: Sequence[str], values: Sequence[Any], given: Dict[str, Any]) -> Dict[str, Any]:
-    """Settings passed positionally after the positional ones (deprecated): checked by type,
-    merged into ``given`` (the keywords), with one ``DeprecationWarning``."""
-    if not values:
-        return given
-    if len(values) > len(names):
-        raise TypeError(f"{where}: takes at most {len(names)} settings after the positional arguments, got {len(values)}")
-    out = dict(given)
-    for name, value in zip(names, values):
-        if name in ("scale_by_keep",) and not _is_bool(value):
-            raise TypeError(
-                f"{where}: {name}: expected a bool, got {type(value).__name__} {value!r}. The settings after "
-                f"drop_prob are keyword-only: write {where}(..., mode={value!r})" if isinstance(value, str) else
-                f"{where}: {name}: expected a bool, got {type(value).__name__}"
-            )
-        if name == "mode" and not isinstance(value, str):
-            raise TypeError(f"{where}: mode: expected 'row' or 'batch', got {type(value).__name__}; pass the settings by name")
-        if out.get(name, _UNSET) is not _UNSET:
-            raise TypeError(f"{where}: got {name} both positionally and by name")
-        out[name] = value
-    warnings.warn(
-        f"{where}: passing {', '.join(names[:len(values)])} positionally is deprecated; pass "
-        f"{'it' if len(values) == 1 else 'them'} by name ({', '.join(f'{n}=...' for n in names[:len(values)])})",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return out
+_LAST_POSITIONAL = {"drop_path": "scale_by_keep", "DropPath": "scale_by_keep",  # timm's signatures
+                    "drop_add_residual": "training", "ResidualDropPath": "drop_prob"}
 
 
-class _Unset:
-    def __repr__(self) -> str:
-        return "<unset>"
+def _setting_for(value: Any) -> str:
+    """The setting a positional value was most likely meant for, by its type."""
+    if isinstance(value, str):
+        return "kept" if value in KEPT else "mode"
+    if _is_bool(value):
+        return "scale_by_keep"
+    if value is None or isinstance(value, torch.Generator):
+        return "generator"
+    return "<setting>"
 
 
-_UNSET: Any = _Unset()
-UNSET = _UNSET
+def refuse_positional(where: str, extra: Tuple[Any, ...]) -> None:
+    """The settings are keyword-only: a call that passes some positionally (``extra``, what the
+    form's ``*extra`` caught) gets a TypeError that names the setting each value looks meant for,
+    not Python's count of positional arguments."""
+    if not extra:
+        return
+    named = ", ".join(f"{_setting_for(v)}={v!r}" for v in extra)
+    last = _LAST_POSITIONAL[where]
+    raise TypeError(f"{where}: the settings after {last} are keyword-only: write {where}(..., {named}); "
+                    f"the argument order is {_ORDERS[where]}")
 
 
 def training_flag(training: Any, where: str) -> bool:
     hint = ""
-    if isinstance(training, str) and where in _ORDERS:
+    if isinstance(training, str) and where in ("drop_path", "drop_add_residual"):
         hint = (f"; the argument order is {_ORDERS[where]} (torchvision's stochastic_depth(x, p, mode, "
                 "training) order does not apply: pass mode by name)")
     return check_bool(training, f"{where}: training", hint)

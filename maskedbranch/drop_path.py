@@ -13,7 +13,8 @@ mask is drawn where timm draws it (a tensor on x's device, from that device's de
 generator), so that it equals timm's for the same seed; ``generator=`` (a CPU
 ``torch.Generator``) draws on the host instead.
 
-Settings after ``drop_prob`` (and ``training``) are keyword-only (maskedbranch/_drop_args.py).
+The positional arguments are timm's (``drop_prob``, ``training``, ``scale_by_keep``); the settings
+timm lacks are keyword-only (maskedbranch/_drop_args.py).
 """
 from __future__ import annotations
 
@@ -22,43 +23,38 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from . import _draws
 from ._drop_args import (
-    UNSET,
     check_bool,
     check_drop_prob,
     check_generator,
     check_mode,
     check_x,
-    take_positional,
+    refuse_positional,
     training_flag,
 )
 
 __all__ = ["drop_path", "DropPath", "stochastic_depth", "StochasticDepth"]
 
-_SETTINGS = ("scale_by_keep", "mode", "generator")  # the deprecated positional order of 0.2
 
-
-def _resolve(where: str, extra: tuple, scale_by_keep: Any, mode: Any, generator: Any):
-    got = take_positional(where, _SETTINGS, extra, {"scale_by_keep": scale_by_keep, "mode": mode, "generator": generator})
-    scale_by_keep = True if got["scale_by_keep"] is UNSET else check_bool(got["scale_by_keep"], "scale_by_keep")
-    mode = check_mode("row" if got["mode"] is UNSET else got["mode"])
-    generator = check_generator(None if got["generator"] is UNSET else got["generator"])
-    return scale_by_keep, mode, generator
+def _settings(scale_by_keep: Any, mode: Any, generator: Any):
+    return check_bool(scale_by_keep, "scale_by_keep"), check_mode(mode), check_generator(generator)
 
 
 def drop_path(
     x: Tensor,
     drop_prob: float = 0.0,
     training: bool = False,
-    *deprecated: Any,
-    scale_by_keep: Any = UNSET,
-    mode: Any = UNSET,
-    generator: Any = UNSET,
+    scale_by_keep: bool = True,
+    *extra: Any,
+    mode: str = "row",
+    generator: Optional[torch.Generator] = None,
 ) -> Tensor:
     """Stochastic depth on a branch output ``x``: timm's ``drop_path`` (``mode="row"``, the
     default) and torchvision's ``stochastic_depth`` (``mode="batch"`` drops the whole tensor).
 
-    ``drop_path(x, drop_prob, training, *, scale_by_keep=True, mode="row", generator=None)``.
+    ``drop_path(x, drop_prob, training, scale_by_keep=True, *, mode="row", generator=None)``:
+    timm's signature, with the settings it lacks keyword-only.
     Returns ``x`` itself in eval mode or at ``drop_prob == 0``; otherwise ``x * mask`` with the
     mask drawn and scaled exactly as timm draws and scales it (so the results are bitwise equal
     for the same seed, and the output keeps x's strides). ``generator``: a CPU
@@ -69,26 +65,41 @@ def drop_path(
     """
     check_x(x)
     p = check_drop_prob(drop_prob)
-    training = training_flag(training, "drop_path")
-    scale_by_keep, mode, generator = _resolve("drop_path", deprecated, scale_by_keep, mode, generator)
-    return _drop_path(x, p, training, scale_by_keep, mode, generator)
+    training = training_flag(training, "drop_path")  # first: torchvision's order has a string here
+    refuse_positional("drop_path", extra)
+    scale_by_keep, mode, generator = _settings(scale_by_keep, mode, generator)
+    return _drop(x, p, training, scale_by_keep, mode, generator)
 
 
-def _drop_path(x: Tensor, p: Any, training: bool, scale_by_keep: bool, mode: str, generator: Optional[torch.Generator]) -> Tensor:
-    if p == 0.0 or not training:
+def _drop_path(x: Tensor, drop_prob: float, training: bool, scale_by_keep: bool, mode: str,
+               mask: Optional[Tensor] = None) -> Tensor:
+    """The drop-path formula, timm's to the bit, written once: eager mode, torch.fx (which
+    records its ops, as timm's), TorchScript (``DropPath`` scripts it) and torch.compile (the
+    residual forms' and the timm patch's dense form) all run it. ``mask``: a draw made on the
+    host (``_draws.draw``: ``[B]`` in "row" mode, ``[1]`` in "batch" mode, 0/1); None: drawn here,
+    on x's device from its default generator, where timm draws."""
+    if drop_prob == 0.0 or not training:
         return x
-    keep_prob = 1.0 - p
+    keep_prob = 1.0 - drop_prob
     shape = (x.shape[0],) + (1,) * (x.ndim - 1) if mode == "row" else (1,) * x.ndim
-    if generator is None:
-        mask = x.new_empty(shape).bernoulli_(keep_prob)
-    else:
-        mask = torch.empty(shape, dtype=x.dtype).bernoulli_(keep_prob, generator=generator)
-        mask = mask.to(x.device, non_blocking=True)
+    if mask is None:
+        m = x.new_empty(shape).bernoulli_(keep_prob)
+    else:  # a tensor of its own, in x's dtype: the division below is in place
+        m = mask.to(device=x.device, dtype=x.dtype, non_blocking=True, copy=True).reshape(shape)
     if keep_prob > 0.0 and scale_by_keep:
         # The result is used, so that a torch.fx graph keeps the division: dead-code
         # elimination (create_feature_extractor runs it) drops an in-place op whose result is unused.
-        mask = mask.div_(keep_prob)
-    return x * mask
+        m = m.div_(keep_prob)
+    return x * m
+
+
+def _drop(x: Tensor, p: Any, training: bool, scale_by_keep: bool, mode: str, generator: Optional[torch.Generator]) -> Tensor:
+    """:func:`_drop_path` with the mask drawn on the host from ``generator`` when one is given
+    (nothing drawn when nothing is dropped, so the generator stays where it was)."""
+    mask = None
+    if generator is not None and training and p != 0.0:
+        mask = _draws.draw(x.shape[0] if mode == "row" else 1, 1.0 - p, generator)
+    return _drop_path(x, p, training, scale_by_keep, mode, mask)
 
 
 def _leaf_call(module: nn.Module, x: Any) -> Any:
@@ -109,7 +120,8 @@ class DropPath(nn.Module):
     """Module form of :func:`drop_path`; a drop-in swap for timm's ``DropPath`` (same attributes,
     repr and results: the repr shows ``drop_prob`` as timm's does, never ``scale_by_keep``, and
     ``mode`` / ``generator`` only when they are not the default) with torchvision's ``mode="batch"`` as well:
-    ``DropPath(drop_prob=0.0, *, scale_by_keep=True, mode="row", generator=None)``.
+    ``DropPath(drop_prob=0.0, scale_by_keep=True, *, mode="row", generator=None)``: timm's
+    signature, with the settings it lacks keyword-only.
 
     ``torch.jit.script`` compiles the module itself (as it compiles timm's): the same formula,
     drawing from the default generator of x's device. Symbolic tracing (``torch.fx``) records
@@ -120,24 +132,25 @@ class DropPath(nn.Module):
     def __init__(
         self,
         drop_prob: float = 0.0,
-        *deprecated: Any,
-        scale_by_keep: Any = UNSET,
-        mode: Any = UNSET,
-        generator: Any = UNSET,
+        scale_by_keep: bool = True,
+        *extra: Any,
+        mode: str = "row",
+        generator: Optional[torch.Generator] = None,
     ) -> None:
         super().__init__()
+        refuse_positional("DropPath", extra)
         self.drop_prob = check_drop_prob(drop_prob)
-        self.scale_by_keep, self.mode, self.generator = _resolve("DropPath", deprecated, scale_by_keep, mode, generator)
+        self.scale_by_keep, self.mode, self.generator = _settings(scale_by_keep, mode, generator)
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # TorchScript compiles this branch alone
-            return _scriptable_drop_path(x, float(self.drop_prob), self.training, self.scale_by_keep, self.mode)
+            return _drop_path(x, float(self.drop_prob), self.training, self.scale_by_keep, self.mode)
         if isinstance(x, torch.fx.Proxy):
             node = _leaf_call(self, x)
             if node is not None:
                 return node
         check_x(x)
-        return _drop_path(x, check_drop_prob(self.drop_prob), self.training, self.scale_by_keep, check_mode(self.mode), self.generator)
+        return _drop(x, check_drop_prob(self.drop_prob), self.training, self.scale_by_keep, check_mode(self.mode), self.generator)
 
     def extra_repr(self) -> str:
         # timm's repr for every setting timm has (it never shows scale_by_keep); the settings of
@@ -157,20 +170,6 @@ class DropPath(nn.Module):
         return self
 
 
-def _scriptable_drop_path(x: Tensor, drop_prob: float, training: bool, scale_by_keep: bool, mode: str) -> Tensor:
-    """:func:`drop_path` as TorchScript compiles it: the same formula, from the default generator."""
-    if drop_prob == 0.0 or not training:
-        return x
-    keep_prob = 1.0 - drop_prob
-    shape = [1] * x.dim()
-    if mode == "row":
-        shape[0] = x.shape[0]
-    mask = x.new_empty(shape).bernoulli_(keep_prob)
-    if keep_prob > 0.0 and scale_by_keep:
-        mask = mask.div_(keep_prob)
-    return x * mask
-
-
 # ----------------------------------------------------------------------------------------------
 # torchvision's spelling.
 
@@ -179,7 +178,7 @@ def stochastic_depth(input: Tensor, p: float, mode: str, training: bool = True) 
     """torchvision's ``stochastic_depth(input, p, mode, training=True)``, argument for argument
     (``mode`` is "row" or "batch"); the same results as torchvision's for the same seed."""
     check_x(input)
-    return _drop_path(input, check_drop_prob(p), training_flag(training, "stochastic_depth"), True, check_mode(mode), None)
+    return _drop_path(input, check_drop_prob(p), training_flag(training, "stochastic_depth"), True, check_mode(mode))
 
 
 class StochasticDepth(DropPath):

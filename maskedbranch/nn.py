@@ -88,7 +88,6 @@ class MaskedBranch(_structure.RoutingModuleList):
         super().__init__(mods)
         self._unit = _unit.RoutingUnit(self, "MaskedBranch", materialize(materialize_grads))
         self._unit.ensure(len(mods))
-        self.register_load_state_dict_pre_hook(_load_old_layout)
 
     @property
     def materialize_grads(self) -> Optional[bool]:
@@ -193,20 +192,10 @@ class MaskedBranch(_structure.RoutingModuleList):
 
     def __setstate__(self, state) -> None:
         # copy.deepcopy and pickle: a unit of its own, with a fresh record and no decision
-        materialize_grads = state.pop("_materialize_grads", state.pop("materialize_grads", None))
-        for stale in ("_cache", "_usage", "_signatures"):  # modules pickled by maskedbranch 0.2
-            state.pop(stale, None)
+        materialize_grads = state.pop("_materialize_grads")
         super().__setstate__(state)
         self._unit = _unit.RoutingUnit(self, "MaskedBranch", materialize_grads)
         self._unit.ensure(len(self._modules))
-
-
-def _load_old_layout(module, state_dict, prefix, *_args) -> None:
-    """Checkpoints of maskedbranch < 0.2 stored the branches under ``branches.``: map them to the
-    ModuleList layout (``prefix.0.weight``)."""
-    old = prefix + "branches."
-    for key in [k for k in state_dict if k.startswith(old)]:
-        state_dict[prefix + key[len(old):]] = state_dict.pop(key)
 
 
 def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any, **kwargs: Any) -> Tensor:

@@ -26,18 +26,17 @@ from torch import Tensor, nn
 from . import _choice, _compat, _draws, _functional, _route, _structure, _unit
 from ._args import check_per_row_devices, route_args
 from ._drop_args import (
-    UNSET,
     check_bool,
     check_drop_prob,
     check_generator,
     check_kept,
     check_mode,
     check_x,
-    take_positional,
+    refuse_positional,
     training_flag,
 )
 from ._unit import Mode, materialize, materialize_name
-from .drop_path import DropPath, _drop_path
+from .drop_path import DropPath, _drop, _drop_path
 
 __all__ = ["drop_add_residual", "ResidualDropPath"]
 
@@ -49,9 +48,6 @@ def _branch_params(branch: Callable, params: Optional[Iterable[Tensor]]) -> Tupl
         return tuple(branch.parameters())
     owner = getattr(branch, "__self__", None)  # a bound method of a module
     return tuple(owner.parameters()) if isinstance(owner, nn.Module) else ()
-
-
-_Checked = _structure.CheckedBranch  # its name before it moved, which whole-module pickles made then hold
 
 
 def _fixed(x: Tensor, branch: Callable, args, kwargs, keep_prob: float, scale_by_keep: bool, generator) -> Tensor:
@@ -84,41 +80,65 @@ def _residual(
         if isinstance(x, torch.fx.Proxy):
             branch = branch.branch
         y = branch(x, *args, **kwargs)
-        return x + _drop_path(y, drop_prob, training, scale_by_keep, mode, generator), 1
+        return x + _drop(y, drop_prob, training, scale_by_keep, mode, generator), 1
     if args or kwargs:  # before the draw: a refused call leaves the generator where it was
         check_per_row_devices(args, kwargs, x)
-    keep_prob = 1.0 - float(drop_prob)
     if kept == "fixed":
-        return _fixed(x, table.branches[0], args, kwargs, keep_prob, scale_by_keep, generator), 1
-    if not torch.compiler.is_compiling():
-        gate, scale = _draws.host_routing(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype, generator)
-    elif generator is None:
-        checked = table.branches[0]
-        form = compiled_form(mode, tie, checked.branch, stateless, checked.is_module)
-        if form == _COND:
-            kept, scale = _draws.traced_keep(keep_prob, scale_by_keep, x.dtype)
-            module = checked.branch if checked.is_module else None
-            return _choice.residual(checked.branch, module, x, kept, args, kwargs, scale, checked.check), kept.reshape(1)
-        if form == _DENSE:
-            mask = _draws.traced_mask(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype)
-            y = table.branches[0](x, *args, **kwargs)
-            return x + y * mask.to(y.dtype).reshape((-1,) + (1,) * (y.dim() - 1)), (mask != 0).any().reshape(1)
-        keep, scale = _draws.traced_routing(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype)
-        if tie() is not Mode.ALIASES:
-            checked = table.branches[0]
-            return _route.drop_rows(checked, checked.branch if checked.is_module else None, x, keep, scale, args,
-                                    kwargs, x, "branch")
-        gate = keep.to(torch.int64) - 1
-    else:  # a generator object cannot enter a graph: this draw runs eagerly (a graph break)
-        gate, scale = _draws.host_routing_outside_graphs(mode, x.shape[0], keep_prob, scale_by_keep, x.dtype, generator)
+        return _fixed(x, table.branches[0], args, kwargs, 1.0 - float(drop_prob), scale_by_keep, generator), 1
+    out, ran, gate, scale = dispatch(table.branches[0], x, x, args, kwargs, drop_prob, mode, scale_by_keep,
+                                     generator, x.dtype, tie, stateless)
+    if out is not None:
+        return out, ran
     return _route.route(table, x, gate, args, kwargs, mode=tie(), base=x, scale=scale, where="branch", wiring=wiring,
                         drawn=True)
 
 
 # ----------------------------------------------------------------------------------------------
-# Under torch.compile: which form a drop path takes (docs/guides/compile.md).
+# The draw, and under torch.compile which form a drop path takes (docs/guides/compile.md).
 
 _ROWS, _COND, _DENSE = 0, 1, 2
+
+
+def dispatch(branch: _structure.CheckedBranch, x: Tensor, base: Optional[Tensor], args: Tuple[Any, ...],
+             kwargs: Dict[str, Any], drop_prob: Any, mode: str, scale_by_keep: bool,
+             generator: Optional[torch.Generator], dtype: torch.dtype, tie: Callable[[], Mode],
+             stateless: Optional[bool], signature: Optional[Tuple[tuple, torch.dtype]] = None,
+             ) -> Tuple[Optional[Tensor], Any, Any, Any]:
+    """One drop path's draw and, compiled, its computation: the one dispatch of the residual forms
+    (``base``: x) and the timm patch's drop path without a residual (``base`` None: the branch's
+    output on the kept rows, zeros elsewhere, of ``signature``, (trailing shape, dtype)).
+
+    Returns ``(out, ran, None, None)`` when the output is computed here (compiled: the forms of
+    :func:`compiled_form`), else ``(None, None, gate, scale)``: the routing gate (0: run, -1: not;
+    one per row or for the batch) and the factor of kept rows, rounded in ``dtype``, for the
+    caller's :func:`maskedbranch._route.route` (eager mode, a user's generator, DDP's Python
+    reducer). ``branch``: the branch with the residual's output check (applied where ``base``
+    is given)."""
+    keep_prob = 1.0 - float(drop_prob)
+    if not torch.compiler.is_compiling():
+        gate, scale = _draws.host_routing(mode, x.shape[0], keep_prob, scale_by_keep, dtype, generator)
+        return None, None, gate, scale
+    if generator is not None:  # a generator object cannot enter a graph: this draw runs eagerly (a graph break)
+        gate, scale = _draws.host_routing_outside_graphs(mode, x.shape[0], keep_prob, scale_by_keep, dtype, generator)
+        return None, None, gate, scale
+    fn, run = branch.branch, (branch if base is not None else branch.branch)
+    module = fn if branch.is_module else None
+    form = compiled_form(mode, tie, fn, stateless, branch.is_module)
+    keep = _draws.draw(x.shape[0] if mode == "row" else 1, keep_prob)
+    if form == _DENSE:  # timm's formula with this draw
+        y = _drop_path(run(x, *args, **kwargs), drop_prob, True, scale_by_keep, mode, keep)
+        return (y if base is None else base + y), (keep != 0).any().reshape(1), None, None
+    scale = _draws.traced_scale(keep_prob, scale_by_keep, dtype)
+    if form == _COND:
+        kept = keep.reshape(()) != 0
+        if base is None:
+            return _choice.masked(fn, x, kept, tuple(args), scale, signature), kept.reshape(1), None, None
+        return _choice.residual(fn, module, x, kept, args, kwargs, scale, branch.check), kept.reshape(1), None, None
+    keep = keep if mode == "row" else keep.expand(x.shape[0])
+    if tie() is not Mode.ALIASES:
+        out, ran = _route.drop_rows(run, module, x, keep, scale, tuple(args), kwargs, base, "branch")
+        return out, ran, None, None
+    return None, None, keep.to(torch.int64) - 1, scale
 
 
 def compiled_form(mode: str, tie: Callable[[], Mode], branch: Any, stateless: Optional[bool], module: bool) -> int:
@@ -169,13 +189,9 @@ def rows_captured() -> bool:
 _dense_warned: List[bool] = []
 
 
-def _settings(where: str, deprecated: tuple, mode: Any, scale_by_keep: Any, generator: Any, kept: Any):
-    got = take_positional(where, ("mode", "scale_by_keep", "generator"), deprecated,
-                          {"mode": mode, "scale_by_keep": scale_by_keep, "generator": generator})
-    mode = check_mode("row" if got["mode"] is UNSET else got["mode"])
-    scale_by_keep = True if got["scale_by_keep"] is UNSET else check_bool(got["scale_by_keep"], "scale_by_keep")
-    generator = check_generator(None if got["generator"] is UNSET else got["generator"])
-    return mode, scale_by_keep, generator, check_kept(kept, mode)
+def _settings(mode: Any, scale_by_keep: Any, generator: Any, kept: Any):
+    mode = check_mode(mode)
+    return mode, check_bool(scale_by_keep, "scale_by_keep"), check_generator(generator), check_kept(kept, mode)
 
 
 def drop_add_residual(
@@ -183,10 +199,10 @@ def drop_add_residual(
     branch: Callable[..., Tensor],
     drop_prob: float,
     training: bool,
-    *deprecated: Any,
-    mode: Any = UNSET,
-    scale_by_keep: Any = UNSET,
-    generator: Any = UNSET,
+    *extra: Any,
+    mode: str = "row",
+    scale_by_keep: bool = True,
+    generator: Optional[torch.Generator] = None,
     kept: str = "random",
     args: Sequence[Any] = (),
     kwargs: Optional[Dict[str, Any]] = None,
@@ -216,8 +232,9 @@ def drop_add_residual(
     """
     check_x(x)
     p = check_drop_prob(drop_prob)
-    training = training_flag(training, "drop_add_residual")
-    mode, scale_by_keep, generator, kept = _settings("drop_add_residual", deprecated, mode, scale_by_keep, generator, kept)
+    training = training_flag(training, "drop_add_residual")  # first: torchvision's order has a string here
+    refuse_positional("drop_add_residual", extra)
+    mode, scale_by_keep, generator, kept = _settings(mode, scale_by_keep, generator, kept)
     return add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, args, kwargs, params,
                         materialize(materialize_grads))
 
@@ -290,23 +307,20 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
         self,
         branch: nn.Module,
         drop_prob: float = 0.0,
-        *deprecated: Any,
-        mode: Any = UNSET,
-        scale_by_keep: Any = UNSET,
+        *extra: Any,
+        mode: str = "row",
+        scale_by_keep: bool = True,
         kept: str = "random",
-        generator: Any = UNSET,
+        generator: Optional[torch.Generator] = None,
         materialize_grads: Any = True,
     ) -> None:
         super().__init__()
+        refuse_positional("ResidualDropPath", extra)
         if not isinstance(branch, nn.Module):
             raise TypeError(f"branch: expected an nn.Module, got {type(branch).__name__}")
         self.branch = branch
         self.drop_prob = check_drop_prob(drop_prob)
-        self.mode, self.scale_by_keep, self.generator, self.kept = _settings(
-            "ResidualDropPath", deprecated[:2], mode, scale_by_keep, generator, kept
-        )
-        if len(deprecated) > 2:
-            raise TypeError("ResidualDropPath: takes at most 4 positional arguments (branch, drop_prob and, deprecated, mode, scale_by_keep)")
+        self.mode, self.scale_by_keep, self.generator, self.kept = _settings(mode, scale_by_keep, generator, kept)
         self._checked_branch = _structure.CheckedBranch(branch)
         self._unit = _unit.RoutingUnit(self, "ResidualDropPath", materialize(materialize_grads))
 
@@ -400,12 +414,10 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
         return state
 
     def __setstate__(self, state) -> None:
-        state.setdefault("kept", "random")  # modules pickled before it existed
-        materialize_grads = state.pop("_materialize_grads", state.pop("materialize_grads", True))
-        for stale in ("_cache", "_usage"):  # modules pickled by maskedbranch 0.2
-            state.pop(stale, None)
+        # copy.deepcopy and pickle: a unit of its own, with a fresh record and no decision
+        materialize_grads = state.pop("_materialize_grads")
         super().__setstate__(state)
-        self._checked_branch = _structure.CheckedBranch(self.branch)  # also for modules pickled without it
+        self._checked_branch = _structure.CheckedBranch(self.branch)
         self._unit = _unit.RoutingUnit(self, "ResidualDropPath", materialize_grads)
 
     def __prepare_scriptable__(self) -> nn.Module:

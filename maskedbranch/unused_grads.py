@@ -257,8 +257,8 @@ def _after_closure(optimizer, args: tuple, kwargs: dict, reset) -> Optional[Tupl
 
 
 class UnusedGradsToNone:
-    """The handle :func:`unused_grads_to_none` returns; ``remove()`` detaches it. ``last_reset``
-    (``last_pruned``, its older name): how many gradients the last step set to ``None``."""
+    """The handle :func:`unused_grads_to_none` returns; ``remove()`` detaches it. ``last_reset``:
+    how many gradients the last step set to ``None``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, process_group: Any = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -283,10 +283,6 @@ class UnusedGradsToNone:
         self._handle = optimizer.register_step_pre_hook(self._before_step)
         _explicit[optimizer] = self
         self.last_reset = 0
-
-    @property
-    def last_pruned(self) -> int:
-        return self.last_reset
 
     def _before_step(self, optimizer, args, kwargs) -> Optional[Tuple[tuple, dict]]:
         def reset():

@@ -67,7 +67,7 @@ class Net(nn.Module):
         for block in self.blocks:
             h = block(h)
         if self.masked:
-            h = mb.drop_add_residual(h, self.last, 0.6, self.training, self.mode, generator=self.last_generator, materialize_grads=None)
+            h = mb.drop_add_residual(h, self.last, 0.6, self.training, mode=self.mode, generator=self.last_generator, materialize_grads=None)
         else:
             h = ReferenceResidual(self.last, 0.6, self.mode, self.last_generator, dense=False)(h)
         return self.head(h).mean(1)

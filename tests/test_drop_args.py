@@ -1,9 +1,7 @@
 """Arguments of the four drop-path forms (DropPath, drop_path, ResidualDropPath,
 drop_add_residual): one keyword-only order, bool checks that catch torchvision's argument order,
-the deprecated positional settings of 0.2, reprs that show every non-default setting, and
-torchvision's StochasticDepth spelling."""
-import warnings
-
+positional settings refused with a TypeError that says what to write, reprs that show every
+non-default setting, and torchvision's StochasticDepth spelling."""
 import pytest
 import torch
 from torch import nn
@@ -25,15 +23,17 @@ def lin():
 # torchvision's stochastic_depth(x, p, mode, training) order, and other misreadings: each
 # raises a TypeError that names the form and the argument.
 MISREAD = {
-    "drop_path torchvision order": (lambda: mb.drop_path(x(), 0.5, "batch", True), r"^drop_path: training: expected a bool, got str 'batch'; the argument order is drop_path\(x, drop_prob, training, \*, mode="),
+    "drop_path torchvision order": (lambda: mb.drop_path(x(), 0.5, "batch", True), r"^drop_path: training: expected a bool, got str 'batch'; the argument order is drop_path\(x, drop_prob, training, scale_by_keep, \*, mode="),
     "drop_add_residual torchvision order": (lambda: mb.drop_add_residual(x(), lin(), 0.5, "batch"), r"^drop_add_residual: training: expected a bool, got str 'batch'; the argument order is drop_add_residual\(x, branch,"),
     "stochastic_depth training str": (lambda: mb.stochastic_depth(x(), 0.5, "batch", "yes"), r"^stochastic_depth: training: expected a bool, got str 'yes'$"),
-    "DropPath mode in scale_by_keep's place": (lambda: mb.DropPath(0.5, "batch"), r"^DropPath: scale_by_keep: expected a bool, got str 'batch'\. The settings after drop_prob are keyword-only: write DropPath\(\.\.\., mode='batch'\)"),
+    "DropPath mode positional": (lambda: mb.DropPath(0.5, True, "batch"), r"^DropPath: the settings after scale_by_keep are keyword-only: write DropPath\(\.\.\., mode='batch'\); the argument order is DropPath\(drop_prob, scale_by_keep, \*, "),
+    "DropPath mode in scale_by_keep's place": (lambda: mb.DropPath(0.5, "batch"), r"^scale_by_keep: expected a bool, got str 'batch'"),
     "DropPath scale_by_keep int": (lambda: mb.DropPath(0.5, scale_by_keep=1), r"^scale_by_keep: expected a bool, got int 1"),
     "drop_path training int": (lambda: mb.drop_path(x(), 0.5, 1), r"^drop_path: training: expected a bool, got int 1$"),
-    "ResidualDropPath mode int": (lambda: mb.ResidualDropPath(lin(), 0.1, 3), r"^ResidualDropPath: mode: expected 'row' or 'batch', got int"),
-    "ResidualDropPath too many positional": (lambda: mb.ResidualDropPath(lin(), 0.1, "row", True, None), r"^ResidualDropPath: takes at most 4 positional arguments"),
-    "drop_path twice": (lambda: mb.drop_path(x(), 0.5, True, True, scale_by_keep=True), r"^drop_path: got scale_by_keep both positionally and by name$"),
+    "ResidualDropPath mode int": (lambda: mb.ResidualDropPath(lin(), 0.1, mode=3), r"^mode: expected 'row' \(drop per sample\) or 'batch'"),
+    "ResidualDropPath settings positional": (lambda: mb.ResidualDropPath(lin(), 0.1, "batch", False, None), r"^ResidualDropPath: the settings after drop_prob are keyword-only: write ResidualDropPath\(\.\.\., mode='batch', scale_by_keep=False, generator=None\)"),
+    "drop_path mode positional": (lambda: mb.drop_path(x(), 0.5, True, True, "batch"), r"^drop_path: the settings after scale_by_keep are keyword-only: write drop_path\(\.\.\., mode='batch'\); the argument order is drop_path\(x, drop_prob, training, scale_by_keep, \*, "),
+    "drop_add_residual mode positional": (lambda: mb.drop_add_residual(x(), lin(), 0.5, True, "batch"), r"^drop_add_residual: the settings after training are keyword-only: write drop_add_residual\(\.\.\., mode='batch'\)"),
     "drop_path unknown mode": (lambda: mb.drop_path(x(), 0.5, True, mode="rows"), r"mode"),
 }
 
@@ -41,14 +41,13 @@ MISREAD = {
 @pytest.mark.parametrize("name", list(MISREAD))
 def test_misread_arguments_raise_naming_the_argument(name):
     call, message = MISREAD[name]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        with pytest.raises(TypeError if name != "drop_path unknown mode" else (TypeError, ValueError), match=message):
-            call()
+    expected = (TypeError, ValueError) if name in ("drop_path unknown mode", "ResidualDropPath mode int") else TypeError
+    with pytest.raises(expected, match=message):
+        call()
 
 
 def test_torchvision_order_never_runs_in_row_mode():
-    """The silent case of 0.2: the string landed in `training` and the call ran in row mode."""
+    """A string in `training` would otherwise run the call in row mode, silently."""
     with pytest.raises(TypeError):
         mb.drop_path(x(), 0.5, "batch", True)
     # torchvision's own spelling, argument for argument, equals torchvision's for the same seed
@@ -60,40 +59,43 @@ def test_torchvision_order_never_runs_in_row_mode():
         assert torch.equal(mb.stochastic_depth(inp, 0.5, mode, True), want)
 
 
-def settings(module):
-    return module.mode, module.scale_by_keep
-
-
 @pytest.mark.parametrize(
-    "positional, keywords, form",
+    "call",
     [
-        ((False,), {"scale_by_keep": False}, "DropPath"),
-        ((False, "batch"), {"scale_by_keep": False, "mode": "batch"}, "DropPath"),
-        (("batch", False), {"mode": "batch", "scale_by_keep": False}, "ResidualDropPath"),
-        (("batch",), {"mode": "batch"}, "ResidualDropPath"),
+        lambda g: mb.DropPath(0.5, False, "batch"),
+        lambda g: mb.ResidualDropPath(lin(), 0.5, "batch", False),
+        lambda g: mb.ResidualDropPath(lin(), 0.5, "batch"),
+        lambda g: mb.drop_path(torch.randn(16, 4), 0.5, True, False, "row", g),
+        lambda g: mb.drop_add_residual(torch.randn(16, 4), lin(), 0.5, True, "row", False, g),
     ],
+    ids=["DropPath 1", "ResidualDropPath 2", "ResidualDropPath 1", "drop_path 2", "drop_add_residual 3"],
 )
-def test_deprecated_positional_settings_warn_and_match_keywords(positional, keywords, form):
-    make = (lambda *a, **k: mb.DropPath(0.5, *a, **k)) if form == "DropPath" else (lambda *a, **k: mb.ResidualDropPath(lin(), 0.5, *a, **k))
-    with pytest.warns(DeprecationWarning, match=rf"^{form}: passing .* positionally is deprecated; pass (it|them) by name"):
-        old = make(*positional)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the keyword spelling does not warn
-        new = make(**keywords)
-    assert settings(old) == settings(new) and repr(old) == repr(new)
+def test_positional_settings_raise_and_leave_the_generator(call):
+    """Settings timm's signatures lack are keyword-only: passed positionally they raise before
+    any draw."""
+    g = torch.Generator().manual_seed(5)
+    state = g.get_state()
+    with pytest.raises(TypeError, match=r"the settings after (drop_prob|training|scale_by_keep) are keyword-only: write "):
+        call(g)
+    assert torch.equal(g.get_state(), state)
 
 
-@pytest.mark.parametrize("mode", ["row", "batch"])
-def test_deprecated_positional_functional_forms_give_the_keyword_results(mode):
+def test_timm_positional_scale_by_keep():
+    """timm's own signatures, ``drop_path(x, drop_prob, training, scale_by_keep)`` and
+    ``DropPath(drop_prob, scale_by_keep)``: the same results for the same seed."""
+    timm_drop = pytest.importorskip("timm.layers")
     inp = torch.randn(16, 4)
-    branch = lin()
-    for old_call, new_call in [
-        (lambda g: mb.drop_path(inp, 0.5, True, False, mode, g), lambda g: mb.drop_path(inp, 0.5, True, scale_by_keep=False, mode=mode, generator=g)),
-        (lambda g: mb.drop_add_residual(inp, branch, 0.5, True, mode, False, g), lambda g: mb.drop_add_residual(inp, branch, 0.5, True, mode=mode, scale_by_keep=False, generator=g)),
-    ]:
-        with pytest.warns(DeprecationWarning):
-            old = old_call(torch.Generator().manual_seed(5))
-        assert torch.equal(old, new_call(torch.Generator().manual_seed(5)))
+    for keep in (True, False):
+        torch.manual_seed(1)
+        want = timm_drop.drop_path(inp, 0.5, True, keep)
+        torch.manual_seed(1)
+        assert torch.equal(mb.drop_path(inp, 0.5, True, keep), want)
+        timm_module, ours = timm_drop.DropPath(0.5, keep), mb.DropPath(0.5, keep)
+        assert ours.scale_by_keep is keep
+        torch.manual_seed(2)
+        want = timm_module(inp)
+        torch.manual_seed(2)
+        assert torch.equal(ours(inp), want)
 
 
 def test_reprs_show_every_non_default_setting():

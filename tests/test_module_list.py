@@ -93,21 +93,6 @@ def test_loaded_model_routes_per_row_like_ifelse():
     torch.testing.assert_close(routed(x, ids), want)
 
 
-def test_old_layout_checkpoints_load():
-    """maskedbranch < 0.2 kept the branches under ``choices.branches.``; such checkpoints load
-    strictly, the caller's dict is left as it was, and a top-level MaskedBranch loads too."""
-    src = trained(Routed(seed=1))
-    old = {k.replace("choices.", "choices.branches.", 1): v for k, v in src.state_dict().items()}
-    before = list(old)
-    for dst in (Routed(seed=2), copy.deepcopy(Routed(seed=2))):  # the hook survives copies
-        dst.load_state_dict(old, strict=True)
-        assert list(old) == before
-        assert_same_state(src, dst)
-    top = MaskedBranch([nn.Linear(2, 3) for _ in range(2)])
-    top.load_state_dict({f"branches.{i}.{n}": torch.full_like(p, i) for i in range(2) for n, p in top[i].named_parameters()})
-    assert all(torch.equal(p, torch.full_like(p, i)) for i in range(2) for p in top[i].parameters())
-
-
 def test_strict_loading_still_reports_wrong_keys():
     state = trained(IfElse()).state_dict()
     missing = {k: v for k, v in state.items() if k != "choices.1.0.bias"}

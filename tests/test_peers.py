@@ -48,7 +48,7 @@ def test_functional_bitwise(dtype, mode, p, training):
     for seed in range(3):
         for scale in (True, False) if mode == "row" else (True,):
             want = same_seed(lambda t: theirs(t, p, training, scale), x, seed)
-            got = same_seed(lambda t: mb.drop_path(t, p, training, scale, mode=mode), x, seed)
+            got = same_seed(lambda t: mb.drop_path(t, p, training, scale_by_keep=scale, mode=mode), x, seed)
             assert_bitwise(got, want)
 
 

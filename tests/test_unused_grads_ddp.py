@@ -239,10 +239,8 @@ def explicit_under_ddp(rank, group):
     model equals if/else under DDP(find_unused_parameters=True)."""
     models = pair(group, materialize=True)
     opts = [torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=1e-2) for m in models]
-    handle = unused_grads_to_none(opts[0], models[0])
-    out = compare(models, opts, rank)
-    out["last_pruned"] = handle.last_pruned  # the older name
-    return out
+    unused_grads_to_none(opts[0], models[0])  # the optimizer's hook holds the handle
+    return compare(models, opts, rank)
 
 
 def join_refused(rank, group):

@@ -35,9 +35,8 @@ from ._transformers_rules import Rule
 # value is restored once, by the last one out.
 #
 # Only a config needs the lock: replicas share their config, while an owner's own attribute
-# belongs to one module, which one thread runs. Taking the lock there too broke a compiled
-# graph at every hold and release (Dynamo cannot enter a threading.Lock: 12 of a patched BART's
-# 14 graph breaks in 4 steps).
+# belongs to one module, which one thread runs. A lock there too would break a compiled graph at
+# every hold and release (Dynamo cannot enter a threading.Lock).
 
 _lock = threading.Lock()
 _held: Dict[Tuple[int, str], List[Any]] = {}  # (id(holder), name) -> [holds, real value]
@@ -200,8 +199,7 @@ class LayerDropList(_structure.RoutingModuleList):
 
     def __setstate__(self, state) -> None:
         # copy.deepcopy and pickle: a unit of its own, with a fresh record and no decision
-        materialize_grads = state.pop("_materialize_grads", state.pop("materialize_grads", None))
-        state.pop("_usage", None)  # lists pickled by maskedbranch 0.2
+        materialize_grads = state.pop("_materialize_grads")
         super().__setstate__(state)
         self._p, self._tables = None, None
         self._unit = _unit.RoutingUnit(self, self.where, materialize_grads)

@@ -3,8 +3,9 @@ forward calls in its place (maskedbranch/integrations/timm/_blocks.py makes the 
 
 A residual ``add(base, tail(dp(y)))`` becomes ``drop_add_residual(base, branch, ...)``; any other
 use of ``dp(y)`` becomes :func:`masked`, the branch's output on the kept samples and zeros
-elsewhere. Both draw through the residual forms' own path (maskedbranch/_draws.py), so a
-compiled model draws exactly as an eager one, and both compile whole.
+elsewhere. Both draw and compile through the residual forms' one dispatch
+(maskedbranch/residual.py, ``dispatch``), so a compiled model draws exactly as an eager one, and
+both compile whole.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from typing import Any, Callable, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, fx, nn
 
-from ... import _choice, _draws, _route, _structure, _unit
+from ... import _route, _structure, _unit
 from ...drop_path import DropPath as _MaskedDropPath
-from ...residual import _COND, _DENSE, add_residual, compiled_form
+from ...residual import add_residual, dispatch
 from . import _graph
 
 try:
@@ -121,28 +122,14 @@ def slot_call(
 
 def masked(blk, x, branch, p, mode, scale_by_keep, generator, rest, read_params, output, stateless=True) -> Tensor:
     """``drop_path(branch(x, *rest))`` without a residual: the branch runs on the kept rows,
-    the dropped rows are zeros (timm's values, and zero gradients for the parameters). The
-    draw is the residual forms' (maskedbranch/_draws.py); compiled, the forms are theirs
-    (maskedbranch/residual.py, ``compiled_form``). ``read_params()`` gives the branch's parameters."""
-    keep = 1.0 - float(p)
+    the dropped rows are zeros (timm's values, and zero gradients for the parameters). The draw
+    and the compiled forms are the residual forms' (maskedbranch/residual.py, ``dispatch``).
+    ``read_params()`` gives the branch's parameters."""
     compiling = torch.compiler.is_compiling()
-    if not compiling:
-        gate, scale = _draws.host_routing(mode, x.shape[0], keep, scale_by_keep, output[1], generator)
-    elif generator is None:
-        form = compiled_form(mode, lambda: _unit.traced_mode(blk), branch, stateless, False)
-        if form == _COND:
-            kept, scale = _draws.traced_keep(keep, scale_by_keep, output[1])
-            return _choice.masked(branch, x, kept, tuple(rest), scale, output)
-        if form == _DENSE:
-            mask = _draws.traced_mask(mode, x.shape[0], keep, scale_by_keep, output[1])
-            y = branch(x, *rest)
-            return y * mask.to(y.dtype).reshape((-1,) + (1,) * (y.dim() - 1))
-        kept, scale = _draws.traced_routing(mode, x.shape[0], keep, scale_by_keep, output[1])
-        if _unit.traced_mode(blk) is not _unit.Mode.ALIASES:
-            return _route.drop_rows(branch, None, x, kept, scale, tuple(rest), {}, None, "branch")[0]
-        gate = kept.to(torch.int64) - 1
-    else:
-        gate, scale = _draws.host_routing_outside_graphs(mode, x.shape[0], keep, scale_by_keep, output[1], generator)
+    out, _, gate, scale = dispatch(_structure.CheckedBranch(branch, False), x, None, tuple(rest), {}, p, mode,
+                                   scale_by_keep, generator, output[1], lambda: _unit.traced_mode(blk), stateless, output)
+    if out is not None:
+        return out
     tie = _unit.traced_mode(blk) if compiling else blk._unit.mode_here()  # the block's setting: zeros or none
     params = read_params() if not compiling or tie is _unit.Mode.ALIASES else ()  # compiled, every branch is in the graph
     if not compiling and (gate == -1 if isinstance(gate, int) else not bool((gate >= 0).any())):
