@@ -11,6 +11,8 @@ travel as ``2 * ceil(n / 8)`` bytes, OR-reduced (``ReduceOp.BOR``) on a CPU grou
 """
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
 from typing import Any, Dict, List, Tuple
 
@@ -80,6 +82,12 @@ class Layout:
         self.resettable = grouped & ~self.kept
         self.grouped_params = [(k, self.params[k]) for k in positions(grouped)]  # what the backward's start reads
         self.others = [k for k in range(self.size) if not grouped >> k & 1]  # outside every group
+        # Per unit, the units inside one of its groups (a MaskedBranch in a LayerDrop layer) with
+        # their positions: when such a unit is called, it decides for its parameters.
+        self.nested: Dict[RoutingUnit, List[Tuple[RoutingUnit, int]]] = {}
+        for u in self.units:
+            inside = {id(m) for gm in u.group_modules() for m in gm.modules()}
+            self.nested[u] = [(v, functools.reduce(operator.or_, self._positions[v], 0)) for v in self.units if v is not u and id(v.owner()) in inside]
 
     def current(self) -> bool:
         """No unit changed since the layout was made (maskedbranch/_unit.py, ``forget``)."""
@@ -102,14 +110,17 @@ class Layout:
         once per set and reused: a node made steps ago runs last in the backward, where its
         hooks would make DDP launch its buckets at a rank-dependent point, out of step with a
         second DDP model's buckets on the same process group (a GAN's generator step)."""
-        used = cond = 0
-        dead: List[Tensor] = []
+        records = {}
         for u in self.units:
             if keep_records:
                 u.settle_held()
-                bits, c, called = u.bits, u.cond & ~u.bits, u.called or bool(u.bits or u.cond)
+                records[u] = (u.bits, u.cond & ~u.bits, u.called or bool(u.bits or u.cond))
             else:
-                bits, c, called = u.take()
+                records[u] = u.take()
+        used = cond = 0
+        dead: List[Tensor] = []
+        for u in self.units:
+            bits, c, called = records[u]
             if not called:
                 continue
             entries = self._entries[u]
@@ -118,8 +129,12 @@ class Layout:
                 entry = self._entry(u, bits, c)
                 if len(entries) < _MAX_CACHED_SETS:
                     entries[(bits, c)] = entry
-            used |= entry[0]
-            cond |= entry[1]
+            inner = 0  # positions that a unit inside this one's groups, called too, decides
+            for v, at in self.nested[u]:
+                if records[v][2]:
+                    inner |= at
+            used |= entry[0] & ~inner
+            cond |= entry[1] & ~inner
             if entry[2] and u.wiring is wiring and u.mode in modes and not u.traced:
                 dead.extend(entry[2])
         return used & self.resettable, cond & self.resettable & ~used, dead

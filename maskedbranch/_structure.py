@@ -10,8 +10,10 @@ seen. Nothing here is process-wide: no registration hook, no global version.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
+from collections.abc import Mapping
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -168,17 +170,79 @@ class CacheOwner:
         self._drop_caches()
 
 
+def is_named(modules: Any) -> bool:
+    """Whether ``modules`` names its modules (an ``nn.ModuleDict`` or a mapping), rather than
+    listing them."""
+    return isinstance(modules, (nn.ModuleDict, Mapping))
+
+
 class RoutingModuleList(CacheOwner, nn.ModuleList):
     """An ``nn.ModuleList`` of routed modules (MaskedBranch's branches, a LayerDrop owner's
     layers). A slice is a plain ``nn.ModuleList`` of the modules, as ``nn.ModuleList`` gives it
     (not a second routing list, which an empty slice could not even construct). Any change of
     the list (``append``, ``insert``, item assignment, ``del``) drops the caches, as ``_apply`` and
-    ``load_state_dict`` do."""
+    ``load_state_dict`` do.
+
+    Built from an ``nn.ModuleDict`` (or a mapping of names to modules), it keeps the names as
+    its children's names, so that the ``state_dict`` keys stay the dict's (``experts.expert_0.*``):
+    position i is the i-th name in insertion order, and ``[name]``, ``keys()``, ``items()`` and
+    ``in`` work as on the dict. Positions are the routing's branch ids, so a named list is not
+    renumbered: ``del`` keeps the other names, ``[name] = module`` adds or replaces a branch, and
+    ``insert`` / ``append`` / ``extend`` (which would make up numeric names) are refused."""
+
+    _named = False  # built from a ModuleDict: the children keep its names
+
+    def __init__(self, modules: Any = None):
+        if not is_named(modules):
+            super().__init__(modules)
+            return
+        super().__init__()
+        self._named = True
+        for name, module in modules.items():
+            try:
+                self.add_module(name, module)
+            except KeyError as e:  # not a module name ("a.b", ""), or one of this class's attributes
+                raise ValueError(f"branches[{name!r}]: cannot name a child module: {e.args[0]}") from None
+
+    def _position(self, idx: int) -> str:
+        """The name of the child at position ``idx`` (negative from the end), as ModuleList's
+        index check words it."""
+        n = len(self._modules)
+        i = operator.index(idx)
+        if not -n <= i < n:
+            raise IndexError(f"index {idx} is out of range")
+        return next(itertools.islice(self._modules.keys(), i % n, None))
+
+    def _branch_at(self, k: int) -> nn.Module:
+        """Branch ``k`` (0 <= k < len), for the routing's int gate."""
+        return self._modules[self._position(k)] if self._named else self._modules[str(k)]
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
             return nn.ModuleList(list(self._modules.values())[idx])
+        if self._named:
+            return self._modules[idx] if isinstance(idx, str) else self._modules[self._position(idx)]
         return super().__getitem__(idx)
+
+    def __setitem__(self, idx, module) -> None:
+        if self._named:
+            setattr(self, idx if isinstance(idx, str) else self._position(idx), module)
+        else:
+            super().__setitem__(idx, module)
+
+    def __contains__(self, item) -> bool:
+        if self._named and isinstance(item, str):
+            return item in self._modules
+        return any(m is item for m in self._modules.values())
+
+    def keys(self):
+        return self._modules.keys()
+
+    def values(self):
+        return self._modules.values()
+
+    def items(self):
+        return self._modules.items()
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
@@ -191,12 +255,43 @@ class RoutingModuleList(CacheOwner, nn.ModuleList):
             self._drop_caches()
 
     def __delitem__(self, idx) -> None:
-        super().__delitem__(idx)
+        if self._named:
+            names = list(self._modules)
+            for name in (names[idx] if isinstance(idx, slice) else [idx if isinstance(idx, str) else self._position(idx)]):
+                delattr(self, name)
+        else:
+            super().__delitem__(idx)
         self._drop_caches()
 
+    def _refuse_numbering(self, what: str) -> None:
+        if self._named:
+            raise TypeError(
+                f"{type(self).__name__}.{what}: the branches are named (built from an nn.ModuleDict), and a "
+                "position is a branch id; add or replace a branch by name: module['name'] = branch"
+            )
+
     def insert(self, index: int, module) -> None:
+        self._refuse_numbering("insert")
         super().insert(index, module)
         self._drop_caches()
+
+    def append(self, module):
+        self._refuse_numbering("append")
+        return super().append(module)
+
+    def extend(self, modules):
+        self._refuse_numbering("extend")
+        return super().extend(modules)
+
+    def __repr__(self) -> str:
+        if not self._named:
+            return super().__repr__()
+        lines = [f"({name}): {_indent(repr(m))}" for name, m in self._modules.items()]
+        return f"{self._get_name()}(" + "".join(f"\n  {line}" for line in lines) + ("\n)" if lines else ")")
+
+
+def _indent(text: str) -> str:
+    return text.replace("\n", "\n  ")
 
 
 # ----------------------------------------------------------------------------------------------

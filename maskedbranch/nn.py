@@ -23,20 +23,27 @@ __all__ = ["MaskedBranch", "masked_branch"]
 
 
 def _as_branch_list(branches: Any, callables: bool) -> List[Any]:
-    if isinstance(branches, nn.Module) and not isinstance(branches, nn.ModuleList):
+    """The branches in order: a list's items, or an ``nn.ModuleDict``'s (a mapping's) values in
+    insertion order."""
+    named = _structure.is_named(branches)
+    if isinstance(branches, nn.Module) and not isinstance(branches, nn.ModuleList) and not named:
         raise TypeError(
-            f"branches: expected an iterable of nn.Module (a list or an nn.ModuleList), got a single "
-            f"{type(branches).__name__}; wrap it in a list"
+            f"branches: expected an iterable of nn.Module (a list, an nn.ModuleList or an nn.ModuleDict), "
+            f"got a single {type(branches).__name__}; wrap it in a list"
         )
-    if isinstance(branches, (str, bytes)) or not isinstance(branches, Iterable):
+    if isinstance(branches, (str, bytes)) or not (named or isinstance(branches, Iterable)):
         raise TypeError(f"branches: expected an iterable of nn.Module, got {type(branches).__name__}")
-    out = list(branches)
-    if not out:
-        raise ValueError("branches: expected at least one branch, got none")
-    for i, b in enumerate(out):
+    items = list(branches.items()) if named else list(enumerate(branches))
+    if not items:
+        raise ValueError(f"branches: expected at least one branch, got {'an empty ' + type(branches).__name__ if named else 'none'}")
+    for key, b in items:
+        if named and not isinstance(key, str):
+            raise TypeError(f"branches: the keys of a mapping name its branches' modules: expected strings, got {key!r}")
         if not (callable(b) if callables else isinstance(b, nn.Module)):
-            raise TypeError(f"branches[{i}]: expected {'a callable' if callables else 'an nn.Module'}, got {type(b).__name__}")
-    return out
+            raise TypeError(
+                f"branches[{key!r}]: expected {'a callable' if callables else 'an nn.Module'}, got {type(b).__name__}"
+            )
+    return [b for _, b in items]
 
 
 class MaskedBranch(_structure.RoutingModuleList):
@@ -45,13 +52,15 @@ class MaskedBranch(_structure.RoutingModuleList):
 
     It is a drop-in for the ``nn.ModuleList`` an if/else model routes between: the state_dict
     keys are the ModuleList's (``choices.0.weight``), and indexing, ``len`` and iteration behave
-    as before, so checkpoints load both ways.
+    as before, so checkpoints load both ways. Built from an ``nn.ModuleDict``, it keeps the dict's
+    keys (``experts.expert_0.weight``): branch i is the dict's i-th value in insertion order, and
+    ``[name]``, ``keys()`` and ``items()`` work as on the dict.
 
     Args:
-        branches: an iterable of ``nn.Module``. Every branch maps ``r`` rows to ``r`` rows; all
-            branches return the same trailing shape and dtype. Branches that run collectives
-            (``nn.SyncBatchNorm``, DDP- or FSDP-wrapped modules, DTensor parameters) are refused:
-            skipped on one rank, their collective would hang the others.
+        branches: an iterable of ``nn.Module``, or an ``nn.ModuleDict``. Every branch maps ``r``
+            rows to ``r`` rows; all branches return the same trailing shape and dtype. Branches
+            that run collectives (``nn.SyncBatchNorm``, DDP- or FSDP-wrapped modules, DTensor
+            parameters) are refused: skipped on one rank, their collective would hang the others.
         materialize_grads: what the parameters of branches that did not run receive.
             ``"auto"`` / ``None`` (default): what the if/else code gives them, in every training
             setting (docs/guides/ddp.md): nothing in one process (``.grad`` stays ``None``);
@@ -85,7 +94,7 @@ class MaskedBranch(_structure.RoutingModuleList):
 
     def __init__(self, branches: Iterable[nn.Module], *, materialize_grads: Any = None):
         mods = _as_branch_list(branches, callables=False)
-        super().__init__(mods)
+        super().__init__(branches if _structure.is_named(branches) else mods)  # a ModuleDict keeps its keys
         self._unit = _unit.RoutingUnit(self, "MaskedBranch", materialize(materialize_grads))
         self._unit.ensure(len(mods))
 
@@ -137,7 +146,7 @@ class MaskedBranch(_structure.RoutingModuleList):
             # The per-batch int gate: the chosen branch, as if/else calls it, and the record;
             # the parameters of the others are tied by the wrapper, if at all (Mode).
             if unit.mode_here().call_ties is None and 0 <= gate < len(self._modules):
-                y = self._modules[str(gate)](x)
+                y = self._branch_at(gate)(x)
                 unit.bits |= 1 << gate
                 return y
         if _route.traced(x, gate):

@@ -178,3 +178,33 @@ def loss_of(out):
     """A scalar that depends on every floating output (hidden states, logits, ...)."""
     items = out.to_tuple() if hasattr(out, "to_tuple") else (out if isinstance(out, tuple) else (out,))
     return sum(t.float().pow(2).mean() for t in items if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+# Mixture-of-experts models whose experts are modules of their own (tests/test_transformers_moe.py):
+# few tokens per expert and a small capacity, so that some tokens overflow and some experts idle.
+MOE_S2S = dict(vocab_size=64, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+MOE = {
+    "switch_transformers": ("SwitchTransformersForConditionalGeneration", "SwitchTransformersConfig", dict(
+        MOE_S2S, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, num_experts=8,
+        expert_capacity=2, encoder_sparse_step=2, decoder_sparse_step=2)),
+    "nllb_moe": ("NllbMoeForConditionalGeneration", "NllbMoeConfig", dict(
+        S2S, num_experts=4, expert_capacity=3, encoder_sparse_step=2, decoder_sparse_step=2, encoder_layers=2,
+        decoder_layers=2, encoder_layerdrop=0.0, decoder_layerdrop=0.0)),  # (HF's aux loss fails when every router is dropped)
+}
+
+
+def moe_inputs(n=9):
+    return dict(input_ids=ids(n), labels=ids(5), output_router_logits=True)
+
+
+def build_moe(family, seed=0, dtype=torch.float64):
+    """(model in training mode, inputs) for ``family`` of ``MOE``, in ``dtype``; the routers
+    compute in ``dtype`` too (their config only offers float32 and below)."""
+    model_cls, config_cls, kwargs = MOE[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).to(dtype).train()
+    for m in model.modules():
+        if type(m).__name__.endswith(("Top1Router", "Top2Router")):
+            m.dtype = dtype
+            m.classifier.to(dtype)
+    return model, moe_inputs()

@@ -1,6 +1,7 @@
-"""Which transformers modules apply LayerDrop, and how each one does it (read from their forwards,
-transformers 5.x). :mod:`maskedbranch.integrations.transformers` applies these rules; the tests run
-every listed family against the unpatched model.
+"""Which transformers modules apply LayerDrop, and how each one does it, and which route their
+experts in Python (read from their forwards, transformers 5.x).
+:mod:`maskedbranch.integrations.transformers` applies these rules; the tests run every listed
+family against the unpatched model.
 
 An *owner* is the module whose forward loops over ``self.layers`` and skips a layer when a random
 draw falls below the LayerDrop probability. A rule says where that probability lives, how HF draws,
@@ -160,4 +161,50 @@ KINDS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "time_series": ("time-series models", ("time_series_transformer", "informer", "autoformer")),
     "vision": ("vision and document models", ("trocr", "table_transformer", "pp_formulanet")),
     "text_to_audio": ("text-to-audio models", ("musicgen", "musicgen_melody", "vits")),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixture-of-experts layers. Most families keep every expert in one fused parameter (a 3-D
+# ``gate_up_proj``), which each step uses whatever the routing: DDP needs nothing there. The
+# families below keep each expert a module of its own and loop over them in Python, so that an
+# expert no token of a rank reached leaves its parameters without a gradient there.
+
+
+@dataclass(frozen=True)
+class ExpertsRule:
+    """How one owner (the sparse MLP, whose forward calls its router, then its experts) routes.
+
+    * ``container``: the class of the owner's ``experts`` (an ``nn.ModuleDict`` of ``expert_<i>``),
+      which the patch replaces by ``routed``, a class of maskedbranch/integrations/_experts.py
+      that keeps the same expert modules under the same keys;
+    * ``read_from``: fingerprints (maskedbranch/integrations/_experts.py, ``fingerprint``) of the
+      owner's and the container's forwards the routed class reproduces; another forward (a newer
+      transformers) is refused rather than routed another way than HF routes.
+    """
+
+    container: str
+    routed: str
+    read_from: Tuple[str, str]
+
+
+EXPERTS: Dict[str, ExpertsRule] = {
+    # Top-1 with an expert capacity per sequence; a token over capacity gets zeros (the layer's
+    # residual passes it on), a routed one its expert's output times its router probability.
+    "transformers.models.switch_transformers.modeling_switch_transformers.SwitchTransformersSparseMLP": ExpertsRule(
+        "transformers.models.switch_transformers.modeling_switch_transformers.SwitchTransformersExperts",
+        "RoutedSwitchExperts", ("5f51b50a94b55e16", "46a082c0fbab82ac")),
+    # HF's loop takes the one-hot of the top-1 *mask*: its "expert" c runs the (expert, token) pairs
+    # whose mask entry is c, so only expert_0 (weighted by the pairs' combined probabilities, the
+    # top-2 one) and expert_1 (the top-1 one) ever run, then the token dropout per pair.
+    "transformers.models.nllb_moe.modeling_nllb_moe.NllbMoeSparseMLP": ExpertsRule(
+        "transformers.models.nllb_moe.modeling_nllb_moe.NllbMoeExperts",
+        "RoutedNllbMoeExperts", ("0f2f4496a3f9da15", "ed50ddf864b81391")),
+}
+
+# Expert lists whose every expert runs on every token (its output masked by a multiplication):
+# every parameter gets a gradient in every step, so DDP needs nothing.
+DENSE_EXPERTS: Dict[str, str] = {
+    "transformers.models.vitpose_backbone.modeling_vitpose_backbone.VitPoseNaiveMoe":
+        "every expert runs on every token (its output masked by a multiplication)",
 }
