@@ -168,6 +168,8 @@ SETUPS = {
     ("docs/guides/fsdp2.md", "from torch import nn"):
         (fsdp2_setup, ("group",), lambda env: env["model"](torch.randn(4, 64), torch.randint(-1, 8, (4,))).shape == (4, 10)),
     ("docs/guides/timm.md", "import timm"): (lambda mp: pytest.importorskip("timm") and {}, (), None),
+    ("docs/guides/torchvision.md", "import torchvision"): (lambda mp: pytest.importorskip("torchvision") and {}, (),
+                                                         lambda env: len(env["report"].converted) == 18),
     ("docs/guides/transformers.md", "from torch.nn.parallel import DistributedDataParallel as DDP"): (tiny_wav2vec2, ("group",), None),
 }
 

@@ -4,6 +4,10 @@
   timm model (any family: a generic torch.fx rewrite) so that stochastic depth skips the dropped
   samples' compute.
   Needs timm (``pip install "maskedbranch[timm]"``); importing this package does not import it.
+* :mod:`maskedbranch.integrations.torchvision` - ``patch(model)`` converts the residual blocks of
+  every torchvision model with stochastic depth (ConvNeXt, Swin / Swin V2 / Swin3D, EfficientNet /
+  EfficientNet V2, MaxViT, MViT: one routed forward per block class) so that ``StochasticDepth``
+  skips the dropped samples' compute, with torchvision's draws. Needs torchvision.
 * :mod:`maskedbranch.integrations.transformers` - ``patch(model)`` makes the LayerDrop of a Hugging
   Face transformers model (the Wav2Vec2 family, BART / Whisper / Marian / ... encoders and
   decoders, and more: ``SUPPORTED``) skip the dropped layers' compute and train under DDP with
@@ -13,6 +17,6 @@
   ``torch.Generator`` objects during the recomputation.
 """
 
-# The submodules are imported explicitly (``from maskedbranch.integrations import timm``): timm and
-# transformers are optional, so nothing is imported here.
+# The submodules are imported explicitly (``from maskedbranch.integrations import timm``): timm,
+# torchvision and transformers are optional, so nothing is imported here.
 __all__: list = []

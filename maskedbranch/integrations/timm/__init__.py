@@ -238,6 +238,11 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: Any = Tru
             "and leave these to timm."
         )
     if strict and not todo and not report.already:
+        if type(model).__module__.startswith("torchvision."):
+            raise ValueError(
+                f"maskedbranch.integrations.timm.patch: {type(model).__name__} is a torchvision model (its "
+                "StochasticDepth is not timm's DropPath): use maskedbranch.integrations.torchvision.patch"
+            )
         raise ValueError(
             f"maskedbranch.integrations.timm.patch: {type(model).__name__} has no drop-path residual to "
             f"convert (build it with drop_path_rate > 0; tested families: {', '.join(TESTED_FAMILIES)})"
