@@ -37,6 +37,9 @@ pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs tor
 B, D, N = 12, 8, 3
 TIGHT = dict(rtol=1e-6, atol=1e-6)
 FLAGS_NEEDED = torch.__version__ < "2.13"
+# whole-batch choices and int gates compiled as if/else (torch 2.6 cannot tell an export from a
+# compile: the routed rows, one graph for every choice)
+CHOICES = hasattr(torch.compiler, "is_exporting")
 STEPS = 12
 INDUCTOR = pytest.mark.skipif(
     torch.__version__ < "2.13" or (shutil.which("c++") is None and shutil.which("g++") is None),
@@ -162,10 +165,14 @@ def test_int_gate_compiles_as_if_else():
     want = ifelse_graphs(branches, ints)
     backend = Counting()
     graphs = assert_steps(mb.MaskedBranch(branches), lambda s: (ints[s],), backend=backend, settle=STEPS)
+    if not CHOICES:  # the routed rows: the int becomes data once Dynamo makes it dynamic
+        assert graphs[-1] <= 2, graphs
+        return
     assert graphs[-1] == want, (graphs, want)
     assert not backend.has("maskedbranch.") and not backend.has("cond"), "routing ops in an int choice's graph"
 
 
+@pytest.mark.skipif(not CHOICES, reason="torch 2.6: int gates take the routed rows, one graph")
 def test_int_gates_near_the_recompile_limit_warn_once_naming_the_tensor_form():
     torch.manual_seed(0)
     layer = mb.MaskedBranch([nn.Linear(D, D) for _ in range(6)])
@@ -440,7 +447,10 @@ def test_supernet_compiles_once_for_every_path():
                 opt.step()
         counts[form] = backend.compiled
     assert counts["tensor"] <= 2, counts
-    assert counts["int"] == counts["if/else"] > counts["tensor"], counts
+    if CHOICES:
+        assert counts["int"] == counts["if/else"] > counts["tensor"], counts
+    else:  # torch 2.6: the routed rows, data once Dynamo makes the ints dynamic
+        assert counts["int"] <= 3 < counts["if/else"], counts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -605,7 +615,6 @@ def test_inductor_draws_with_each_calls_rate():
 # in one graph for every choice, and BatchNorm statistics change as with if/else.
 
 COND = torch.__version__ >= "2.13"  # torch.cond trains and carries buffers (maskedbranch/_choice.py)
-CHOICES = hasattr(torch.compiler, "is_exporting")  # whole-batch choices at all (torch 2.6: the routed rows)
 
 
 def conv_bn(tanh=False, channels=3):
@@ -659,6 +668,9 @@ def test_whole_batch_choice_with_batch_norm_equals_if_else(same, kind):
     torch.manual_seed(0)
     module = mb.MaskedBranch([conv_bn(tanh=not same and i % 2) for i in range(N)])
     backend = assert_trains_as_eager(module, lambda s: choices(kind, s))
+    if kind == "int" and not CHOICES:
+        assert backend.compiled <= 2, backend.compiled  # torch 2.6: the routed rows
+        return
     if kind == "int":
         want = ifelse_graphs(list(module), [choices(kind, s)[0] for s in range(10)], x=torch.randn(B, 3, 4, 4))
         assert backend.compiled == want, (backend.compiled, want)
