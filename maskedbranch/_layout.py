@@ -3,7 +3,7 @@ parameters of the data-parallel wrapper, in its ``named_parameters()`` order (th
 rank), which ones this rank's forward used, as bit sets (Python ints, bit k: parameter k).
 
 Per parameter: *grouped* (a parameter of some routing unit's group: a branch, a layer; the only
-ones ever reset), *kept* (also used by the model outside every group: never reset), or neither
+ones ever reset), *shared* (also used by the model outside every group: never reset), or neither
 (outside every group). Per forward: *used* (a group of it ran) and *conditional* (its unit ran
 only conditionally: an encoder whose output only a decoder that dropped every layer tied in,
 used only if its gradient turns out nonzero, which the step reads). The two sets of a forward
@@ -40,7 +40,7 @@ def positions(bits: int) -> List[int]:
 
 class Layout:
     """The wrapper's parameters: names and objects in ``named_parameters()`` order, each group's
-    positions (``groups``: (unit, group index, positions)), the grouped, kept and other
+    positions (``groups``: (unit, group index, positions)), the grouped, shared and other
     positions; and, per unit and set of groups that ran, the used / conditional bits and the
     parameters to tie (both cached per set: a forward costs a few lookups per unit)."""
 
@@ -78,8 +78,8 @@ class Layout:
             unit_modules.update(id(m) for m in modules)
         outside = sum(1 << k for k in set(_outside(root, unit_modules, position)))
         self.grouped = grouped
-        self.kept = grouped & outside & ~claimed
-        self.resettable = grouped & ~self.kept
+        self.shared = grouped & outside & ~claimed  # also used outside every group: never reset
+        self.resettable = grouped & ~self.shared
         self.grouped_params = [(k, self.params[k]) for k in positions(grouped)]  # what the backward's start reads
         self.others = [k for k in range(self.size) if not grouped >> k & 1]  # outside every group
         # Per unit, the units inside one of its groups (a MaskedBranch in a LayerDrop layer) with

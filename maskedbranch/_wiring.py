@@ -353,8 +353,8 @@ class Wiring:
 
     # -- the step --------------------------------------------------------------------------------
 
-    def reset(self, plan: "StepPlan") -> int:
-        """Before a step of an optimizer holding ``plan.params``: set to None the gradients that
+    def reset(self, params: "StepParams") -> int:
+        """Before a step of an optimizer holding ``params``: set to None the gradients that
         no rank used and if/else would have left None. Returns how many."""
         if self.needs_first:  # the first forward's routed outputs got no gradient on this rank
             number = self.launch_first()
@@ -364,9 +364,9 @@ class Wiring:
             return 0
         self._merge(lambda entry: True)
         if self._backwards:
-            self._check_reduction_finished(plan)
+            self._check_reduction_finished(params)
         self._backwards = 0
-        by_position, mine = plan.by_position, plan.bits
+        by_position, mine = params.by_position, params.bits
         window = self.seen & self.cleared & mine
         done = 0
         for k in positions(window & ~self.used & ~self.cond):  # no rank used it: as if/else, no gradient
@@ -387,7 +387,7 @@ class Wiring:
         self.last_reset = done
         return done
 
-    def _check_reduction_finished(self, plan: "StepPlan") -> None:
+    def _check_reduction_finished(self, params: "StepParams") -> None:
         """Under DDP with ``find_unused_parameters=False`` every parameter has a gradient after a
         backward (DDP writes them all once its reduction finishes). One that has none took no
         part in the backward on this rank: DDP could not average this step's gradients and will
@@ -398,7 +398,7 @@ class Wiring:
         ignored = getattr(w, "parameters_to_ignore", ()) or ()
         names = self.layout.names
         # (the branches' own parameters have none either then: DDP wrote nothing)
-        missing = [names[k] for k, p in plan.others if p.requires_grad and p.grad is None and names[k] not in ignored]
+        missing = [names[k] for k, p in params.others if p.requires_grad and p.grad is None and names[k] not in ignored]
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise RuntimeError(
@@ -410,7 +410,7 @@ class Wiring:
                 "use find_unused_parameters=True."
             )
 
-    def step_plan(self, params: Sequence[Tensor]) -> Optional["StepPlan"]:
+    def step_params(self, params: Sequence[Tensor]) -> Optional["StepParams"]:
         """What a step of an optimizer holding ``params`` reads (made when its parameter groups
         or the layout change), or None when it holds none of the wrapper's."""
         mine = [(p, k) for p, k in zip(params, self.positions_of(params)) if k >= 0]
@@ -420,7 +420,7 @@ class Wiring:
         for p, k in mine:
             if p is not layout.params[k]:
                 self.stepped[k] = p  # (FSDP2's sharded parameter: its optimizer holds another object)
-        return StepPlan(mine, layout.others)
+        return StepParams(mine, layout.others)
 
     def positions_of(self, params: Sequence[Tensor]) -> List[int]:
         """Where the wrapper's bytes hold each of ``params`` (-1: not the wrapper's), by name, so
@@ -443,7 +443,7 @@ class Wiring:
         _forget_units(self.units)
 
 
-class StepPlan:
+class StepParams:
     """An optimizer's parameters in one wiring's layout: by position, as a bit set, and those
     outside every group (the check that DDP could finish its reduction)."""
 

@@ -104,7 +104,7 @@ _since: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 _refs: Dict[int, Tuple[Any, Any]] = {}  # id(parameter) -> (weakref to it, weakref to its gradient after its step)
 
 
-def _kept(p: Tensor) -> bool:
+def _grad_held_since_step(p: Tensor) -> bool:
     """Whether ``p``'s gradient is the tensor it held after its previous step (so it was not
     None before this backward: zero_grad(set_to_none=False), or accumulation without zeroing)."""
     entry = _refs.get(id(p))
@@ -119,29 +119,29 @@ def _local_units() -> List[RoutingUnit]:
 # Per optimizer: (its parameter groups' lengths, per local unit (a weak reference to it, its
 # version, per group the (parameter, weak reference to it) pairs the optimizer holds)). Read
 # once, not per step: walking every branch's parameters cost more than the step's own reset.
-_local_plans: "weakref.WeakKeyDictionary[Any, Tuple[tuple, list]]" = weakref.WeakKeyDictionary()
+_local_params_cache: "weakref.WeakKeyDictionary[Any, Tuple[tuple, list]]" = weakref.WeakKeyDictionary()
 
 
-def _local_plan(optimizer: Any, units: List[RoutingUnit]) -> Tuple[tuple, list]:
+def _local_params(optimizer: Any, units: List[RoutingUnit]) -> Tuple[tuple, list]:
     lengths = tuple(len(g["params"]) for g in optimizer.param_groups)
-    found = _local_plans.get(optimizer)
+    found = _local_params_cache.get(optimizer)
     if (found is None or found[0] != lengths or len(found[1]) != len(units)
             or any(ref() is not u or version != u.version for (ref, version, _), u in zip(found[1], units))):
-        held = {id(p) for p in _params_of(optimizer)}
-        plan = [(weakref.ref(u), u.version, [[(p, weakref.ref(p)) for p in ps if id(p) in held] for ps in u.groups()])
+        ids = {id(p) for p in _params_of(optimizer)}
+        held = [(weakref.ref(u), u.version, [[(p, weakref.ref(p)) for p in ps if id(p) in ids] for ps in u.groups()])
                 for u in units]
-        found = (lengths, plan)
-        _local_plans[optimizer] = found
+        found = (lengths, held)
+        _local_params_cache[optimizer] = found
     return found
 
 
 def _local_reset(optimizer: Any) -> int:
-    lengths, plan = _local_plan(optimizer, _local_units())
+    lengths, held = _local_params(optimizer, _local_units())
     now = _now[0]
     _now[0] = now + 1
     since, _since[optimizer] = _since.get(optimizer, 0), now + 1
     done = 0
-    for ref, _, groups in plan:
+    for ref, _, groups in held:
         u = ref()
         bits, cond, _ = u.take()
         bits |= cond  # (a conditional group counts as used here: no wrapper reads its gradients)
@@ -153,10 +153,10 @@ def _local_reset(optimizer: Any) -> int:
             if stamps[i] >= since:
                 continue
             for p, _ in ps:
-                if p.grad is not None and not _kept(p):
+                if p.grad is not None and not _grad_held_since_step(p):
                     p.grad = None
                     done += 1
-    for _, _, groups in plan:  # each gradient as it goes into the step
+    for _, _, groups in held:  # each gradient as it goes into the step
         for ps in groups:
             for p, pref in ps:
                 g = p.grad
@@ -170,7 +170,7 @@ def _local_reset(optimizer: Any) -> int:
 # ----------------------------------------------------------------------------------------------
 # The step pre-hook.
 
-_plans: "weakref.WeakKeyDictionary[Any, Tuple[tuple, list]]" = weakref.WeakKeyDictionary()
+_step_params_cache: "weakref.WeakKeyDictionary[Any, Tuple[tuple, list]]" = weakref.WeakKeyDictionary()
 _explicit: "weakref.WeakKeyDictionary[Any, UnusedGradsToNone]" = weakref.WeakKeyDictionary()
 last_reset = [0]
 
@@ -179,16 +179,16 @@ def _params_of(optimizer: Any) -> List[Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def _plan(optimizer: Any, wirings: Sequence[Any]) -> List[Tuple[Any, Any]]:
+def _step_params(optimizer: Any, wirings: Sequence[Any]) -> List[Tuple[Any, Any]]:
     """Per wiring, what a step of this optimizer reads there (cached per optimizer until its
     parameter groups or the wirings change)."""
     key = (tuple(len(g["params"]) for g in optimizer.param_groups), _wiring.version[0], tuple(map(id, wirings)))
-    found = _plans.get(optimizer)
+    found = _step_params_cache.get(optimizer)
     if found is None or found[0] != key:
         params = _params_of(optimizer)
-        plan = [(w, sp) for w in wirings for sp in (w.step_plan(params),) if sp is not None]
-        found = (key, plan)
-        _plans[optimizer] = found
+        held = [(w, sp) for w in wirings for sp in (w.step_params(params),) if sp is not None]
+        found = (key, held)
+        _step_params_cache[optimizer] = found
     return found[1]
 
 
@@ -215,8 +215,8 @@ def _reset(optimizer: Any, wirings: Optional[Sequence[Any]] = None) -> int:
     if wirings is None:
         wirings = [w for w in _wiring.all_wirings() if not w.explicit_kind]
     done = 0
-    for w, step_plan in _plan(optimizer, wirings):
-        done += w.reset(step_plan)
+    for w, step_params in _step_params(optimizer, wirings):
+        done += w.reset(step_params)
     if any(u.traced for u in list(_registry)):
         done += _local_reset(optimizer)
     last_reset[0] = done
