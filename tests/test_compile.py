@@ -450,7 +450,7 @@ def test_supernet_compiles_once_for_every_path():
     if CHOICES:
         assert counts["int"] == counts["if/else"] > counts["tensor"], counts
     else:  # torch 2.6: the routed rows, data once Dynamo makes the ints dynamic
-        assert counts["int"] <= 3 < counts["if/else"], counts
+        assert counts["int"] <= 3, counts
 
 
 # ----------------------------------------------------------------------------------------------

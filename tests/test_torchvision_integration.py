@@ -207,7 +207,8 @@ def test_batch_norm_that_trains_keeps_torchvision_computation(name):
         assert all(torch.equal(got_grads[k], w) for k, w in want_grads.items())
     mb_tv.patch(patched, batch_norm="kept")
     rows.clear()
-    run(patched, x, 2)
+    for seed in range(2, 8):  # several draws: one seed may keep every sample (torch's RNG streams differ by release)
+        run(patched, x, seed)
     for h in hooks:
         h.remove()
     assert rows and sum(rows) < BATCH * len(rows)  # routed: BatchNorm over the kept samples
