@@ -42,7 +42,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-import torch.distributed as dist
 from torch import nn
 
 from . import _compat
@@ -94,7 +93,3 @@ def context_of(wrapper: nn.Module, explicit_kind: bool) -> str:
             return DDP_FIND_UNUSED
         return DDP
     return FSDP2
-
-
-def distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()

@@ -29,6 +29,7 @@ import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import _compat
@@ -105,6 +106,11 @@ running: List[Any] = []
 
 def current_wrapper() -> Any:
     return running[-1] if running else _compat.active_ddp()
+
+
+def distributed() -> bool:
+    """A process group exists: a wrapper may run the routing (or be built around it) later."""
+    return dist.is_available() and dist.is_initialized()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ def _root_of(wrapper: nn.Module) -> nn.Module:
 def decide(unit: RoutingUnit, wrapper: Any) -> Mode:
     """Decide ``unit``'s mode under ``wrapper`` (None: no wired wrapper's forward runs), store
     it in the unit, and wire the wrapper if it is not yet."""
-    if wrapper is None and _decide.distributed():
+    if wrapper is None and _unit.distributed():
         wrapper = _compat.wrapper_on_stack()
     if isinstance(wrapper, Simulated):
         unit.check_skippable()

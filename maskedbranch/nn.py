@@ -13,8 +13,6 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-import torch.distributed as dist
-
 from . import _choice, _compat, _functional, _route, _structure, _unit
 from ._signatures import Signatures
 from ._unit import Mode, materialize, materialize_name
@@ -221,7 +219,7 @@ def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any
     compiling = torch.compiler.is_compiling()
     mode = Mode.SKIP if compiling else _functional.mode_here(branch_list, "masked_branch")  # compiled: every branch in the graph
     if mode is None:  # no module branch (no parameters to tie): a router's output is tied under a wrapper
-        local = _unit.current_wrapper() is None and not (dist.is_available() and dist.is_initialized())
+        local = _unit.current_wrapper() is None and not _unit.distributed()
         mode = Mode.SKIP if local else Mode.NONE
     out, ran = _route.route(_structure.Branches(branch_list), x, gate, args, kwargs, mode=mode)
     _functional.record(branch_list, ran, "masked_branch")

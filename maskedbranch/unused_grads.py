@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import optimizer as _optimizer
 
-from . import _decide, _functional, _unit, _wiring
+from . import _functional, _unit, _wiring
 from ._unit import RoutingUnit
 
 __all__ = ["UnusedGradsToNone", "unused_grads_to_none", "uninstall"]
@@ -56,7 +56,7 @@ def _created(unit: RoutingUnit) -> None:
     _registry.add(unit)
     _alive[0] += 1
     weakref.finalize(unit, _gone)
-    if _decide.distributed():
+    if _unit.distributed():
         _needed()
 
 
@@ -226,7 +226,7 @@ def _reset(optimizer: Any, wirings: Optional[Sequence[Any]] = None) -> int:
 def _before_any_step(optimizer, args, kwargs) -> Optional[Tuple[tuple, dict]]:
     if optimizer in _explicit:
         return None  # its own hook
-    if _decide.distributed():
+    if _unit.distributed():
         _check_fsdp2()
     return _after_closure(optimizer, args, kwargs, lambda: _reset(optimizer))
 
