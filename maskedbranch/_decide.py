@@ -40,7 +40,7 @@ runs; else, in a distributed job, a DDP or FSDP2 module whose forward is on the 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 from torch import nn
 

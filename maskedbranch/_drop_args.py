@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _route
+from . import _gate
 
 MODES = ("row", "batch")
 KEPT = ("random", "fixed")
@@ -76,7 +76,7 @@ def check_generator(generator: Any) -> Optional[torch.Generator]:
 def check_x(x: Any) -> None:
     if isinstance(x, torch.fx.Proxy):
         return  # symbolic tracing: shapes are unknown
-    _route.check_x(x)
+    _gate.check_x(x)
     if not x.is_floating_point():
         raise TypeError(f"x: expected a floating-point tensor (float64, float32, float16 or bfloat16), got dtype {x.dtype}")
 

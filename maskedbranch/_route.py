@@ -10,7 +10,6 @@ untouched; see docs/design.md for the semantics.
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -18,85 +17,10 @@ from torch import Tensor
 
 from . import _autograd, _choice, _ops
 from ._args import check_per_row_devices, route_args
+from ._gate import INT_DTYPES, check_output, normalize_gate
 from ._signatures import Signatures, _dead_output_signature, _input_key, _mismatch, _mismatch_probed, _probe
 from ._structure import Branches, module_of
 from ._unit import Mode
-
-_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-
-
-# ----------------------------------------------------------------------------------------------
-# Argument checks.
-
-
-def check_x(x: Any, name: str = "x") -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name}: expected a tensor, got {type(x).__name__}")
-    if x.dim() < 1:
-        raise ValueError(f"{name}: expected at least one dimension (rows first), got a 0-d tensor")
-    return x
-
-
-def normalize_gate(gate: Any, x: Tensor, n: int) -> Tuple[str, Any]:
-    """("int", k) for a whole-batch branch id (-1: none), else ("tensor", gate), after checking
-    type, rank, shape, dtype and device."""
-    if type(gate) is int and -1 <= gate < n:
-        return "int", gate
-    if isinstance(gate, bool):
-        raise TypeError(f"gate: got a bool; pass an int branch id, an integer tensor [B] of ids or a bool tensor [B, {n}]")
-    if not isinstance(gate, Tensor):
-        try:
-            k = operator.index(gate)  # numpy integers too
-        except TypeError:
-            raise TypeError(
-                f"gate: expected an int branch id, an integer tensor [B] of branch ids or a bool/"
-                f"floating tensor [B, {n}], got {type(gate).__name__}"
-            ) from None
-        if not -1 <= k < n:
-            raise IndexError(f"gate: branch id {k} is out of range; expected -1 (no branch) to {n - 1}")
-        return "int", k
-    batch = x.shape[0]
-    if gate.is_complex():
-        raise TypeError(f"gate: complex gates are not supported, got dtype {gate.dtype}")
-    if gate.device.type != "cpu" and gate.device != x.device:
-        raise ValueError(
-            f"gate: a device gate must live on x's device ({x.device}), got one on {gate.device}; "
-            "a CPU gate works with any x (its plan is built on the host and shipped asynchronously)"
-        )
-    if gate.dim() == 0:
-        if gate.dtype not in _INT_DTYPES:
-            raise TypeError(f"gate: a 0-d gate must be an integer branch id, got dtype {gate.dtype}")
-        if gate.device.type == "cpu" and not torch.compiler.is_compiling():
-            return normalize_gate(int(gate), x, n)
-        # A device scalar (read back once by the plan), or data to torch.compile: the kernel
-        # checks the id's range.
-        return "tensor", gate.expand(batch)
-    if gate.dim() == 1:
-        if gate.dtype not in _INT_DTYPES:
-            hint = f"; for a mask use shape [B, {n}]" if gate.dtype == torch.bool else ""
-            raise TypeError(f"gate: a 1-D gate holds one integer branch id per row (-1 = no branch), got dtype {gate.dtype}{hint}")
-        if gate.shape[0] != batch:
-            raise ValueError(f"gate: expected {batch} branch ids (one per row of x), got shape {tuple(gate.shape)}")
-        return "tensor", gate
-    if gate.dim() == 2:
-        if tuple(gate.shape) != (batch, n):
-            raise ValueError(f"gate: expected shape [{batch}, {n}] (rows of x, branches), got {tuple(gate.shape)}")
-        if gate.dtype != torch.bool and gate.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(f"gate: a 2-D gate must be bool (a mask) or floating (weights), got dtype {gate.dtype}")
-        return "tensor", gate
-    raise ValueError(f"gate: expected an int, branch ids [B] or a mask/weights [B, {n}], got shape {tuple(gate.shape)}")
-
-
-def check_output(y: Any, label: str, rows: int) -> Tensor:
-    if not isinstance(y, Tensor):
-        raise TypeError(f"{label}: expected the branch to return a tensor, got {type(y).__name__}")
-    if y.dim() < 1 or y.shape[0] != rows:
-        raise ValueError(
-            f"{label}: the branch was given {rows} rows and returned shape {tuple(y.shape)}; a branch "
-            "must return one row per input row"
-        )
-    return y
-
 
 # ----------------------------------------------------------------------------------------------
 # The routing path.
@@ -298,7 +222,7 @@ def whole_batch_gate(gate: Any, x: Tensor, n: int) -> Optional[Tuple[Tensor, Any
     integer tensor) as a 0-d int64 tensor checked to lie in -1..n-1, with the int itself (None
     for a tensor); None for other gates."""
     if isinstance(gate, Tensor):
-        if gate.dim() != 0 or gate.dtype not in _INT_DTYPES:
+        if gate.dim() != 0 or gate.dtype not in INT_DTYPES:
             return None
         return _choice.check_id(gate, n), None
     kind, k = normalize_gate(gate, x, n)  # an int: checked here (a symbolic one as well)
@@ -420,56 +344,6 @@ def record(unit: Any, ran: Any) -> None:
     else:
         unit.bits |= ran
         unit.called = True
-
-
-# ----------------------------------------------------------------------------------------------
-# Symbolic tracing (torch.fx): x or the gate is a Proxy, so which rows reach which branch is not
-# known while the graph is built. The graph gets the dense formula instead,
-# ``sum_i g[:, i] * branch_i(x, ...)`` with every branch run on every row: the routed result for
-# branches that treat rows independently (the gradient of a zero gate weight differs, as in
-# docs/design.md), at the cost of running every branch. The two helpers are wrapped, so each is
-# one graph node and reads the gate when the graph runs.
-
-
-def dense_weights(gate: Any, x: Tensor, n: int) -> Tensor:
-    """The gate as ``[B, n]`` coefficients in x's dtype (checked as :func:`route` checks it)."""
-    kind, gate = normalize_gate(gate, x, n)
-    if kind == "int":
-        w = x.new_zeros((x.shape[0], n))
-        if gate >= 0:
-            w[:, gate] = 1
-        return w
-    if gate.dim() == 1:
-        if gate.numel() and not bool(((gate >= -1) & (gate < n)).all()):
-            raise IndexError(f"gate: branch ids must lie in -1 (no branch) to {n - 1}")
-        gate = gate.to(x.device)[:, None] == torch.arange(n, device=x.device)
-    return gate.to(device=x.device, dtype=x.dtype)
-
-
-def dense_term(w: Tensor, i: int, y: Tensor) -> Tensor:
-    """``w[:, i] * y``, broadcast over y's trailing dimensions."""
-    return y * w[:, i].to(y.dtype).reshape((-1,) + (1,) * (y.dim() - 1))
-
-
-torch.fx.wrap("dense_weights")
-torch.fx.wrap("dense_term")
-
-
-def traced(x: Any, gate: Any) -> bool:
-    return isinstance(x, torch.fx.Proxy) or isinstance(gate, torch.fx.Proxy)
-
-
-def route_traced(branches: Sequence[Callable], x: Any, gate: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """The graph of :func:`route` under symbolic tracing: a constant int gate runs its branch,
-    any other gate the dense formula."""
-    if type(gate) is int and 0 <= gate < len(branches):
-        return branches[gate](x, *args, **kwargs)
-    w = dense_weights(gate, x, len(branches))
-    out = None
-    for i, branch in enumerate(branches):
-        term = dense_term(w, i, branch(x, *args, **kwargs))
-        out = term if out is None else out + term
-    return out
 
 
 class _Parts:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from . import _choice, _compat, _functional, _route, _structure, _unit
+from . import _choice, _compat, _functional, _gate, _route, _structure, _traced, _unit
 from ._signatures import Signatures
 from ._unit import Mode, materialize, materialize_name
 
@@ -147,16 +147,16 @@ class MaskedBranch(_structure.RoutingModuleList):
                 y = self._branch_at(gate)(x)
                 unit.bits |= 1 << gate
                 return y
-        if _route.traced(x, gate):
-            return _route.route_traced(list(self._modules.values()), x, gate, args, kwargs)
-        _route.check_x(x)
+        if _traced.traced(x, gate):
+            return _traced.route_traced(list(self._modules.values()), x, gate, args, kwargs)
+        _gate.check_x(x)
         compiling = torch.compiler.is_compiling()
         mode = _unit.traced_mode(self) if compiling else unit.mode_here()
         if unit.signatures is None and not compiling:
             unit.signatures = Signatures()
         if compiling:
             if type(gate) is int and not args and not kwargs:  # as if/else compiles it: a graph per choice
-                _route.normalize_gate(gate, x, len(self._modules))  # a bad id fails as in eager mode
+                _gate.normalize_gate(gate, x, len(self._modules))  # a bad id fails as in eager mode
                 inlined = _choice.inline(self, list(self._modules.values()), x, gate, mode)
                 if inlined is not None:
                     out, ran = inlined
@@ -212,9 +212,9 @@ def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any
     module to remember them, output signatures are not kept: a call where no row reaches any
     branch infers the output shape on meta tensors."""
     branch_list = _as_branch_list(branches, callables=True)
-    if _route.traced(x, gate):
-        return _route.route_traced(branch_list, x, gate, args, kwargs)
-    _route.check_x(x)
+    if _traced.traced(x, gate):
+        return _traced.route_traced(branch_list, x, gate, args, kwargs)
+    _gate.check_x(x)
     _structure.check_skippable(branch_list, "branches")
     compiling = torch.compiler.is_compiling()
     mode = Mode.SKIP if compiling else _functional.mode_here(branch_list, "masked_branch")  # compiled: every branch in the graph
