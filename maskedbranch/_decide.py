@@ -13,7 +13,6 @@ DDP_STATIC          AT_WRAPPER_ZEROS   ZEROS    refused: unused forever after st
 PYTHON_REDUCER      ALIASES            ALIASES  refused: pairs defined gradients
 FSDP2               ZEROS              ZEROS    NONE (refused at the step)
 EXPLICIT            ZEROS              ZEROS    NONE
-SIMULATED           AT_WRAPPER         ZEROS    NONE
 ==================  =================  =======  ===========================================
 
 * LOCAL: one process, or a model that no wrapper runs (a rank-local model in a distributed job):
@@ -26,10 +25,9 @@ SIMULATED           AT_WRAPPER         ZEROS    NONE
   order, whatever its branches did (maskedbranch/_route.py, ``_aliases``).
 * FSDP2 reduces only defined gradients; EXPLICIT (a model given to ``unused_grads_to_none``, for
   hand-written averaging) needs a tensor on every rank: zeros, tied by each call.
-* SIMULATED: ``maskedbranch.doctor``'s ranks in one process see the graph of a DDP job (its
-  simulated wrapper ties as a DDP wiring does, maskedbranch/_wiring.py, ``as_if_under_ddp``).
+* The doctor's simulated ranks (maskedbranch/doctor/simulate.py) decide with the DDP row.
 
-Under a wrapper (every context but LOCAL, DDP_FIND_UNUSED and SIMULATED) the "auto" units' usage
+Under a wrapper (every context but LOCAL and DDP_FIND_UNUSED) the "auto" units' usage
 is reduced after each forward of the wrapper and the gradients that no rank used are reset to
 ``None`` before the step (maskedbranch/_wiring.py), where if/else leaves ``None``.
 
@@ -47,8 +45,8 @@ from torch import nn
 from . import _compat
 from ._unit import Mode
 
-LOCAL, DDP_FIND_UNUSED, DDP, DDP_STATIC, PYTHON_REDUCER, FSDP2, EXPLICIT, SIMULATED = (
-    "local", "ddp-find-unused", "ddp", "ddp-static", "ddp-python-reducer", "fsdp2", "explicit", "simulated")
+LOCAL, DDP_FIND_UNUSED, DDP, DDP_STATIC, PYTHON_REDUCER, FSDP2, EXPLICIT = (
+    "local", "ddp-find-unused", "ddp", "ddp-static", "ddp-python-reducer", "fsdp2", "explicit")
 
 _REFUSED_STATIC = (
     "materialize_grads=False under DistributedDataParallel(static_graph=True). static_graph treats a "
@@ -72,7 +70,6 @@ TABLE: Dict[str, Tuple[Any, Any, Any]] = {
     PYTHON_REDUCER: (Mode.ALIASES, Mode.ALIASES, _REFUSED_PYTHON_REDUCER),
     FSDP2: (Mode.ZEROS, Mode.ZEROS, Mode.NONE),
     EXPLICIT: (Mode.ZEROS, Mode.ZEROS, Mode.NONE),
-    SIMULATED: (Mode.AT_WRAPPER, Mode.ZEROS, Mode.NONE),
 }
 REDUCED = frozenset((DDP, DDP_STATIC, PYTHON_REDUCER, FSDP2, EXPLICIT))
 """Contexts whose wiring reduces the usage of "auto" units and resets what no rank used."""

@@ -30,11 +30,10 @@ there) ties per call in that forward and reduces it from its backward.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,7 +48,7 @@ _MAX_PENDING = 8  # forwards whose reduction stays unmerged before a backward or
 _wirings: "weakref.WeakKeyDictionary[nn.Module, Wiring]" = weakref.WeakKeyDictionary()
 version = [0]  # bumped when a wiring or a layout changes: the step hook's per-optimizer lists
 
-_AT_WRAPPER = (Mode.AT_WRAPPER, Mode.AT_WRAPPER_ZEROS)
+AT_WRAPPER_MODES = (Mode.AT_WRAPPER, Mode.AT_WRAPPER_ZEROS)
 _PER_CALL = {Mode.AT_WRAPPER: Mode.NONE, Mode.AT_WRAPPER_ZEROS: Mode.ZEROS}
 
 
@@ -81,16 +80,25 @@ def _root_of(wrapper: nn.Module) -> nn.Module:
 # The decision, plugged into the routing (maskedbranch/_unit.py).
 
 
+class StandIn:
+    """A wrapper simulated in one process (maskedbranch/doctor/simulate.py): pushed on
+    ``_unit.running`` as a wrapper's forward would be, it decides for the units that run under it
+    (``decide_for(unit) -> Mode``) and is alive while it is pushed."""
+
+    def decide_for(self, unit: RoutingUnit) -> Mode:
+        raise NotImplementedError
+
+    def alive(self) -> bool:
+        return True
+
+
 def decide(unit: RoutingUnit, wrapper: Any) -> Mode:
     """Decide ``unit``'s mode under ``wrapper`` (None: no wired wrapper's forward runs), store
     it in the unit, and wire the wrapper if it is not yet."""
     if wrapper is None and _unit.distributed():
         wrapper = _compat.wrapper_on_stack()
-    if isinstance(wrapper, Simulated):
-        unit.check_skippable()
-        unit.settle(wrapper, id(wrapper), _decide.TABLE[_decide.SIMULATED])
-        wrapper.units.add(unit)
-        return unit.mode
+    if isinstance(wrapper, StandIn):  # a wrapper simulated in one process (the doctor's): it decides
+        return wrapper.decide_for(unit)
     if wrapper is None:
         unit.check_skippable()
         unit.settle(None, 0, _decide.TABLE[_decide.LOCAL])
@@ -162,7 +170,7 @@ class Wiring:
             wrapper.register_forward_pre_hook(_before_forward),
             wrapper.register_forward_hook(_after_forward, always_call=True),
         ]
-        weakref.finalize(wrapper, _forget_units, self.units)
+        weakref.finalize(wrapper, forget_units, self.units)
 
     def alive(self) -> bool:
         return self.ref() is not None
@@ -231,7 +239,7 @@ class Wiring:
             self.launch_first()
         if self.tied_per_call:  # its units decide again, now that this wiring's hooks run
             self.tied_per_call = False
-            _forget_units(self.units)
+            forget_units(self.units)
         layout = self._layout()
         if layout is not None:
             layout.clear()
@@ -256,7 +264,7 @@ class Wiring:
                     "into the output for DistributedDataParallel. Return tensors, tuples, lists or dicts of "
                     "them, or pass materialize_grads='none' to the routing modules (each call then ties its own)."
                 )
-            output = _tie_outputs(output, dead, self.context == _decide.DDP_STATIC)
+            output = tie_outputs(output, dead, self.context == _decide.DDP_STATIC)
         w = self.ref()
         sync = not isinstance(w, nn.parallel.DistributedDataParallel) or bool(w.require_backward_grad_sync)
         hook = functools.partial(self._backward_starts, number, sync)
@@ -296,7 +304,7 @@ class Wiring:
                 "every rank the same number of batches."
             )
         layout = self.layout
-        used, cond, dead = layout.take(self, _AT_WRAPPER)
+        used, cond, dead = layout.take(self, AT_WRAPPER_MODES)
         nb = layout.nbytes
         buf = bytearray(used.to_bytes(nb, "little") + cond.to_bytes(nb, "little"))
         if dist.is_available() and dist.is_initialized() and nb:
@@ -440,7 +448,7 @@ class Wiring:
         if w is not None and _wirings.get(w) is self:
             del _wirings[w]
             version[0] += 1
-        _forget_units(self.units)
+        forget_units(self.units)
 
 
 class StepParams:
@@ -455,12 +463,12 @@ class StepParams:
         self.others = [(k, self.by_position[k]) for k in others if k in self.by_position]
 
 
-def _forget_units(units) -> None:
+def forget_units(units) -> None:
     for u in list(units):
         u.forget()
 
 
-def _tie_outputs(output: Any, dead: Sequence[Tensor], zeros: bool) -> Any:
+def tie_outputs(output: Any, dead: Sequence[Tensor], zeros: bool) -> Any:
     """``output`` with every tensor that requires grad replaced by a copy whose backward also
     reaches ``dead`` (one node per tensor; the backward calls each parameter's hook once, from
     the first it reaches). Tuples, lists, dicts (HF ModelOutputs) as the model made them."""
@@ -468,16 +476,16 @@ def _tie_outputs(output: Any, dead: Sequence[Tensor], zeros: bool) -> Any:
         return _autograd.tie(output, dead, zeros) if output.requires_grad else output
     if isinstance(output, dict):  # in place: an HF ModelOutput keeps its attributes in step
         for k, v in list(output.items()):
-            new = _tie_outputs(v, dead, zeros)
+            new = tie_outputs(v, dead, zeros)
             if new is not v:
                 output[k] = new
         return output
     if isinstance(output, list):
         for i, v in enumerate(output):
-            output[i] = _tie_outputs(v, dead, zeros)
+            output[i] = tie_outputs(v, dead, zeros)
         return output
     if isinstance(output, tuple):
-        items = [_tie_outputs(v, dead, zeros) for v in output]
+        items = [tie_outputs(v, dead, zeros) for v in output]
         if all(a is b for a, b in zip(items, output)):
             return output
         return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
@@ -504,69 +512,3 @@ def _after_forward(module: nn.Module, args: Any, output: Any) -> Any:
         return None  # (None: also what a forward that raised gives this hook)
     wiring = _wirings.get(module)
     return None if wiring is None else wiring.after_forward(output)
-
-
-# ----------------------------------------------------------------------------------------------
-# The doctor's simulated ranks (maskedbranch/doctor): one process sees the graph of a DDP job.
-
-
-class Simulated:
-    """Stands for the DDP wrapper of ``root`` while :func:`as_if_under_ddp` runs: its units decide
-    as under DDP, and :meth:`tie` ties into a forward's output what a DDP wiring would."""
-
-    def __init__(self, root: nn.Module) -> None:
-        self.root = root
-        self.units = _Decided()
-
-    def alive(self) -> bool:
-        return True
-
-    def tie(self, output: Any) -> Any:
-        """``output`` with the groups that did not run in this forward tied in (every routing
-        module's unit decides first: one that no call reached is tied too). The records are left
-        as they are."""
-        units = [m._unit for m in _unit.routing_modules(self.root)]
-        for u in units:
-            if u.wiring is not self or u.mode is None:
-                decide(u, self)
-        # The functional forms' units belong to no module of the root, so routing_modules cannot
-        # find them: as a DDP wiring keeps them in ``extra``, take every one that decided here.
-        units += [u for u in self.units if not isinstance(u.owner(), (nn.Module, type(None))) and u.groups()]
-        units = [u for u in units if u.mode in _AT_WRAPPER]
-        if not units:
-            return output
-        dead = Layout(self.root, units).take(self, _AT_WRAPPER, keep_records=True)[2]
-        return _tie_outputs(output, dead, False) if dead else output
-
-
-class _Decided:
-    """The units decided for a :class:`Simulated`, weakly held, in the order they decided."""
-
-    def __init__(self) -> None:
-        self._refs: Dict[int, "weakref.ref[RoutingUnit]"] = {}
-
-    def add(self, unit: RoutingUnit) -> None:
-        ref = self._refs.get(id(unit))
-        if ref is None or ref() is not unit:  # (an id reused after its unit was collected)
-            self._refs.pop(id(unit), None)
-            self._refs[id(unit)] = weakref.ref(unit)
-
-    def __iter__(self) -> Iterator[RoutingUnit]:
-        for ref in list(self._refs.values()):
-            unit = ref()
-            if unit is not None:
-                yield unit
-
-
-@contextlib.contextmanager
-def as_if_under_ddp(root: nn.Module) -> Iterator[Simulated]:
-    """Inside, the routing units of ``root`` (the module forms' and the functional forms') decide
-    as under DDP without static_graph; the caller ties each forward's output with the yielded
-    :meth:`Simulated.tie`. Afterwards the units decide again at their next call."""
-    sim = Simulated(root)
-    _unit.running.append(sim)
-    try:
-        yield sim
-    finally:
-        _unit.running.remove(sim)
-        _forget_units(sim.units)

@@ -20,11 +20,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .. import _functional, _structure, _unit, _wiring
+from .. import _functional, _structure, _unit
 from ..integrations._transformers_rules import RULES as _HF_LAYERDROP
 from ..nn import MaskedBranch
 from ..residual import ResidualDropPath
 from . import report as R
+from . import simulate
 from .rank import Inputs, RankError, restore_buffers, run_rank, snapshot_buffers
 
 _ROUTERS = (MaskedBranch, ResidualDropPath)
@@ -86,7 +87,7 @@ def find_divergent_parameters(
     try:
         model.train(train)
         cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=cuda), _wiring.as_if_under_ddp(model) as ddp:
+        with torch.random.fork_rng(devices=cuda), simulate.as_if_under_ddp(model) as ddp:
             for rank, spec in enumerate(inputs_per_rank):
                 if seed is not None:
                     torch.manual_seed(seed + rank)
