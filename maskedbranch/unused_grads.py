@@ -41,11 +41,33 @@ from ._unit import RoutingUnit
 
 __all__ = ["UnusedGradsToNone", "unused_grads_to_none", "uninstall"]
 
-_registry: "weakref.WeakSet[RoutingUnit]" = weakref.WeakSet()  # routing units alive
-_hook: List[Any] = []
+class _StepHook:
+    """The one optimizer step pre-hook and the state it owns: the routing units alive (counted,
+    so that the hook goes with the last one), its handle while installed, per optimizer what a
+    step reads in each wiring, the optimizers that an explicit handle serves, and how many
+    gradients the last step reset."""
+
+    def __init__(self) -> None:
+        self.units: "weakref.WeakSet[RoutingUnit]" = weakref.WeakSet()
+        self.alive = 0  # (their finalizers count down)
+        self.handle: Any = None
+        # optimizer -> ((its parameter groups' lengths, the wirings' version, the wirings), per
+        # wiring what a step reads there), made when its groups or the wirings change
+        self.params: "weakref.WeakKeyDictionary[Any, Tuple[tuple, list]]" = weakref.WeakKeyDictionary()
+        self.explicit: "weakref.WeakKeyDictionary[Any, UnusedGradsToNone]" = weakref.WeakKeyDictionary()
+        self.last_reset = 0
+
+    def install(self) -> None:
+        if self.handle is None:
+            self.handle = _optimizer.register_optimizer_step_pre_hook(_before_any_step)
+
+    def uninstall(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
-_alive = [0]  # routing units alive (their finalizers count down)
+_hook = _StepHook()
 
 
 def _created(unit: RoutingUnit) -> None:
@@ -53,15 +75,15 @@ def _created(unit: RoutingUnit) -> None:
     DDP module may be built around it next: the watch that wires it at construction
     (maskedbranch/_wiring.py) and the step pre-hook are installed now. Elsewhere they come when
     needed (a model built before ``init_process_group`` gets its DDP wired at the first forward)."""
-    _registry.add(unit)
-    _alive[0] += 1
+    _hook.units.add(unit)
+    _hook.alive += 1
     weakref.finalize(unit, _gone)
     if _unit.distributed():
         _needed()
 
 
 def _needed() -> None:
-    install()
+    _hook.install()
     _wiring.watch_ddp_construction()
 
 
@@ -71,108 +93,98 @@ _unit.DATA_PARALLEL.needed = _needed
 
 
 def _gone() -> None:
-    _alive[0] -= 1
-    _maybe_uninstall()
-
-
-def install() -> None:
-    if not _hook:
-        _hook.append(_optimizer.register_optimizer_step_pre_hook(_before_any_step))
-
-
-def uninstall() -> None:
-    """Remove the step pre-hook (it comes back with the next routing module or wiring)."""
-    while _hook:
-        _hook.pop().remove()
-
-
-def _maybe_uninstall() -> None:
-    if _alive[0] <= 0 and not _wiring.all_wirings():
+    _hook.alive -= 1
+    if _hook.alive <= 0 and not _wiring.all_wirings():
         uninstall()
         _wiring.unwatch_ddp_construction()
 
 
+def uninstall() -> None:
+    """Remove the step pre-hook (it comes back with the next routing module or wiring)."""
+    _hook.uninstall()
+
+
 # ----------------------------------------------------------------------------------------------
-# Local scope: routing modules that no wrapper runs (one process, rank-local models), whose
-# compiled graphs gave dead branches zero gradients. Per unit, the clock of the last step that
-# found it used; each optimizer compares it with its own previous step (several optimizers may
-# hold parts of one branch, Muon and AdamW say).
-
-_now = [0]
-_stamps: "weakref.WeakKeyDictionary[Any, List[int]]" = weakref.WeakKeyDictionary()
-_since: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
-_refs: Dict[int, Tuple[Any, Any]] = {}  # id(parameter) -> (weakref to it, weakref to its gradient after its step)
+# Local scope.
 
 
-def _grad_held_since_step(p: Tensor) -> bool:
-    """Whether ``p``'s gradient is the tensor it held after its previous step (so it was not
-    None before this backward: zero_grad(set_to_none=False), or accumulation without zeroing)."""
-    entry = _refs.get(id(p))
-    return entry is not None and entry[0]() is p and entry[1] is not None and entry[1]() is p.grad
+class _LocalScope:
+    """The reset of routing modules that no wrapper runs (one process, rank-local models), whose
+    compiled graphs gave dead branches zero gradients. Per unit and group, the clock of the last
+    step that found it used; each optimizer compares it with its own previous step (several
+    optimizers may hold parts of one branch, Muon and AdamW say)."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.stamps: "weakref.WeakKeyDictionary[Any, List[int]]" = weakref.WeakKeyDictionary()  # unit -> per group
+        self.since: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # optimizer -> clock
+        self.refs: Dict[int, Tuple[Any, Any]] = {}  # id(parameter) -> (weakref to it, weakref to its gradient after its step)
+        # optimizer -> (its parameter groups' lengths, per local unit (a weak reference to it, its
+        # version, per group the (parameter, weak reference to it) pairs the optimizer holds)).
+        # Read once, not per step: walking every branch's parameters cost more than the reset.
+        self.params: "weakref.WeakKeyDictionary[Any, Tuple[tuple, list]]" = weakref.WeakKeyDictionary()
+
+    def grad_held_since_step(self, p: Tensor) -> bool:
+        """Whether ``p``'s gradient is the tensor it held after its previous step (so it was not
+        None before this backward: zero_grad(set_to_none=False), or accumulation without zeroing)."""
+        entry = self.refs.get(id(p))
+        return entry is not None and entry[0]() is p and entry[1] is not None and entry[1]() is p.grad
+
+    @staticmethod
+    def units() -> List[RoutingUnit]:
+        """Compiled "auto" units that no wrapper runs: their graphs gave dead branches zeros."""
+        return [u for u in list(_hook.units) if u.traced and u.materialize is None and u.wiring is None]
+
+    def params_of(self, optimizer: Any, units: List[RoutingUnit]) -> Tuple[tuple, list]:
+        lengths = tuple(len(g["params"]) for g in optimizer.param_groups)
+        found = self.params.get(optimizer)
+        if (found is None or found[0] != lengths or len(found[1]) != len(units)
+                or any(ref() is not u or version != u.version for (ref, version, _), u in zip(found[1], units))):
+            ids = {id(p) for p in _params_of(optimizer)}
+            held = [(weakref.ref(u), u.version, [[(p, weakref.ref(p)) for p in ps if id(p) in ids] for ps in u.groups()])
+                    for u in units]
+            found = (lengths, held)
+            self.params[optimizer] = found
+        return found
+
+    def reset(self, optimizer: Any) -> int:
+        lengths, held = self.params_of(optimizer, self.units())
+        now = self.now
+        self.now = now + 1
+        since, self.since[optimizer] = self.since.get(optimizer, 0), now + 1
+        done = 0
+        for ref, _, groups in held:
+            u = ref()
+            bits, cond, _ = u.take()
+            bits |= cond  # (a conditional group counts as used here: no wrapper reads its gradients)
+            stamps = self.stamps.setdefault(u, [])
+            stamps.extend([-1] * (len(groups) - len(stamps)))
+            for i, ps in enumerate(groups):
+                if bits >> i & 1:
+                    stamps[i] = now
+                if stamps[i] >= since:
+                    continue
+                for p, _ in ps:
+                    if p.grad is not None and not self.grad_held_since_step(p):
+                        p.grad = None
+                        done += 1
+        refs = self.refs
+        for _, _, groups in held:  # each gradient as it goes into the step
+            for ps in groups:
+                for p, pref in ps:
+                    g = p.grad
+                    refs[id(p)] = (pref, None if g is None else weakref.ref(g))
+        if len(refs) > 4 * sum(lengths) + 1024:  # parameters gone since
+            for k in [k for k, (ref, _) in refs.items() if ref() is None]:
+                del refs[k]
+        return done
 
 
-def _local_units() -> List[RoutingUnit]:
-    """Compiled "auto" units that no wrapper runs: their graphs gave dead branches zeros."""
-    return [u for u in list(_registry) if u.traced and u.materialize is None and u.wiring is None]
-
-
-# Per optimizer: (its parameter groups' lengths, per local unit (a weak reference to it, its
-# version, per group the (parameter, weak reference to it) pairs the optimizer holds)). Read
-# once, not per step: walking every branch's parameters cost more than the step's own reset.
-_local_params_cache: "weakref.WeakKeyDictionary[Any, Tuple[tuple, list]]" = weakref.WeakKeyDictionary()
-
-
-def _local_params(optimizer: Any, units: List[RoutingUnit]) -> Tuple[tuple, list]:
-    lengths = tuple(len(g["params"]) for g in optimizer.param_groups)
-    found = _local_params_cache.get(optimizer)
-    if (found is None or found[0] != lengths or len(found[1]) != len(units)
-            or any(ref() is not u or version != u.version for (ref, version, _), u in zip(found[1], units))):
-        ids = {id(p) for p in _params_of(optimizer)}
-        held = [(weakref.ref(u), u.version, [[(p, weakref.ref(p)) for p in ps if id(p) in ids] for ps in u.groups()])
-                for u in units]
-        found = (lengths, held)
-        _local_params_cache[optimizer] = found
-    return found
-
-
-def _local_reset(optimizer: Any) -> int:
-    lengths, held = _local_params(optimizer, _local_units())
-    now = _now[0]
-    _now[0] = now + 1
-    since, _since[optimizer] = _since.get(optimizer, 0), now + 1
-    done = 0
-    for ref, _, groups in held:
-        u = ref()
-        bits, cond, _ = u.take()
-        bits |= cond  # (a conditional group counts as used here: no wrapper reads its gradients)
-        stamps = _stamps.setdefault(u, [])
-        stamps.extend([-1] * (len(groups) - len(stamps)))
-        for i, ps in enumerate(groups):
-            if bits >> i & 1:
-                stamps[i] = now
-            if stamps[i] >= since:
-                continue
-            for p, _ in ps:
-                if p.grad is not None and not _grad_held_since_step(p):
-                    p.grad = None
-                    done += 1
-    for _, _, groups in held:  # each gradient as it goes into the step
-        for ps in groups:
-            for p, pref in ps:
-                g = p.grad
-                _refs[id(p)] = (pref, None if g is None else weakref.ref(g))
-    if len(_refs) > 4 * sum(lengths) + 1024:  # parameters gone since
-        for k in [k for k, (ref, _) in _refs.items() if ref() is None]:
-            del _refs[k]
-    return done
+_local = _LocalScope()
 
 
 # ----------------------------------------------------------------------------------------------
 # The step pre-hook.
-
-_step_params_cache: "weakref.WeakKeyDictionary[Any, Tuple[tuple, list]]" = weakref.WeakKeyDictionary()
-_explicit: "weakref.WeakKeyDictionary[Any, UnusedGradsToNone]" = weakref.WeakKeyDictionary()
-last_reset = [0]
 
 
 def _params_of(optimizer: Any) -> List[Tensor]:
@@ -183,12 +195,12 @@ def _step_params(optimizer: Any, wirings: Sequence[Any]) -> List[Tuple[Any, Any]
     """Per wiring, what a step of this optimizer reads there (cached per optimizer until its
     parameter groups or the wirings change)."""
     key = (tuple(len(g["params"]) for g in optimizer.param_groups), _wiring.version[0], tuple(map(id, wirings)))
-    found = _step_params_cache.get(optimizer)
+    found = _hook.params.get(optimizer)
     if found is None or found[0] != key:
         params = _params_of(optimizer)
         held = [(w, sp) for w in wirings for sp in (w.step_params(params),) if sp is not None]
         found = (key, held)
-        _step_params_cache[optimizer] = found
+        _hook.params[optimizer] = found
     return found[1]
 
 
@@ -196,7 +208,7 @@ def _check_fsdp2() -> None:
     """FSDP2 reduces only the gradients that are defined, pairing them by position across
     ranks: undefined gradients of skipped branches (``materialize_grads=False``) make it average
     different parameters together. Its sharded parameters (DTensors) show it at the step."""
-    for u in list(_registry):
+    for u in list(_hook.units):
         if u.materialize is not False:
             continue
         first = next((p for ps in u.groups() for p in ps), None)
@@ -217,14 +229,14 @@ def _reset(optimizer: Any, wirings: Optional[Sequence[Any]] = None) -> int:
     done = 0
     for w, step_params in _step_params(optimizer, wirings):
         done += w.reset(step_params)
-    if any(u.traced for u in list(_registry)):
-        done += _local_reset(optimizer)
-    last_reset[0] = done
+    if any(u.traced for u in list(_hook.units)):
+        done += _local.reset(optimizer)
+    _hook.last_reset = done
     return done
 
 
 def _before_any_step(optimizer, args, kwargs) -> Optional[Tuple[tuple, dict]]:
-    if optimizer in _explicit:
+    if optimizer in _hook.explicit:
         return None  # its own hook
     if _unit.distributed():
         _check_fsdp2()
@@ -281,7 +293,7 @@ class UnusedGradsToNone:
             self._wiring.decide(unit)
         self._optimizer = weakref.ref(optimizer)
         self._handle = optimizer.register_step_pre_hook(self._before_step)
-        _explicit[optimizer] = self
+        _hook.explicit[optimizer] = self
         self.last_reset = 0
 
     def _before_step(self, optimizer, args, kwargs) -> Optional[Tuple[tuple, dict]]:
@@ -293,8 +305,8 @@ class UnusedGradsToNone:
     def remove(self) -> None:
         self._handle.remove()
         optimizer = self._optimizer()
-        if optimizer is not None and _explicit.get(optimizer) is self:
-            del _explicit[optimizer]
+        if optimizer is not None and _hook.explicit.get(optimizer) is self:
+            del _hook.explicit[optimizer]
         if self._made:
             self._wiring.remove()
 

@@ -28,7 +28,7 @@ import maskedbranch as mb
 from maskedbranch import _wiring, unused_grads
 
 def installed():
-    return bool(unused_grads._hook), bool(_wiring._registration)
+    return unused_grads._hook.handle is not None, bool(_wiring._registration)
 
 def train(model, steps=3, gate=lambda s: s % 2):
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -137,7 +137,7 @@ def _worker(rank, world, init_file, out_dir):
     masked = Net(True).double()
     ifelse = Net(False).double()
     ifelse.load_state_dict(masked.state_dict())
-    before_init = (bool(unused_grads._hook), bool(_wiring._registration))
+    before_init = (unused_grads._hook.handle is not None, bool(_wiring._registration))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=90))
     models = {"masked": DDP(masked), "ifelse": DDP(ifelse, find_unused_parameters=True)}
