@@ -3,7 +3,7 @@ training. Every branch's parameters stay in the autograd graph (dead ones get a 
 while the rows a branch does not serve are never computed."""
 from . import reference
 from ._ops import WITH_CUDA, Plan, make_plan
-from .functional import anchor, combine, gather
+from .functional import combine, gather, tie
 from .nn import MaskedBranch, masked_branch
 from .drop_path import DropPath, StochasticDepth, drop_path, stochastic_depth
 from .residual import ResidualDropPath, drop_add_residual
@@ -19,7 +19,6 @@ __all__ = [
     "StochasticDepth",
     "UnusedGradsToNone",
     "WITH_CUDA",
-    "anchor",
     "combine",
     "drop_add_residual",
     "drop_path",
@@ -30,6 +29,7 @@ __all__ = [
     "masked_branch",
     "reference",
     "stochastic_depth",
+    "tie",
     "unused_grads_to_none",
 ]
 

@@ -15,7 +15,7 @@ from torch import Tensor
 from . import _autograd
 from ._ops import Plan, check_tensor
 
-__all__ = ["anchor", "combine", "gather"]
+__all__ = ["tie", "combine", "gather"]
 
 
 def _check_plan(plan) -> Plan:
@@ -68,7 +68,7 @@ def combine(
     return _autograd.combine(ys, plan, weights=weights, base=base, tied=tied, zeros=bool(materialize_grads))
 
 
-def anchor(x: Tensor, params: Sequence[Tensor], materialize: bool = False) -> Tensor:
+def tie(x: Tensor, params: Sequence[Tensor], materialize: bool = False) -> Tensor:
     """A copy of ``x`` whose backward also reaches ``params``: they get an undefined gradient
     (``materialize=False``; DDP's hooks still fire and it fills zeros) or zeros. A copy rather
     than a view, so that the caller may modify it in place."""

@@ -126,7 +126,7 @@ class World:
         plan = mb.make_plan(self.ids, N)
         ys = [y * (i + 1) for i, y in enumerate(mb.gather(x, plan))]
         outs["combine"] = mb.combine(ys, plan, weights=self.weights, base=x)
-        outs["anchor"] = mb.anchor(x * 2, list(self.mb.parameters()), True)
+        outs["tie"] = mb.tie(x * 2, list(self.mb.parameters()), True)
         sum(o.square().sum() for o in outs.values()).backward()
         result: Dict[str, Any] = {k: v.detach() for k, v in outs.items()}
         result.update({"x.grad": x.grad, "weights.grad": self.weights.grad, "gen": self.gen.get_state()})

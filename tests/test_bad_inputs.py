@@ -267,7 +267,7 @@ def _(w):
     return lambda: m(w.x)
 
 
-# -- make_plan, gather, combine, anchor ------------------------------------------------------------
+# -- make_plan, gather, combine, tie --------------------------------------------------------------
 
 call("make_plan/gate a list", TypeError, r"^gate: expected a tensor, got list", lambda w: mb.make_plan(IDS, N))
 call("make_plan/num_branches 0", ValueError, r"^num_branches: expected at least 1 branch, got 0", lambda w: mb.make_plan(w.ids, 0))
@@ -294,8 +294,8 @@ call("combine/1-D weights", ValueError, r"^weights: expected shape \[6, 3\], got
       lambda w: mb.combine(w.ys, w.plan, weights=torch.ones(B, device=w.device)))
 call("combine/base with other rows", ValueError, r"^base: the plan is for 6 rows but base has 5",
       lambda w: mb.combine(w.ys, w.plan, base=torch.ones(B - 1, D, device=w.device)))
-call("anchor/params not tensors", TypeError, r"^params\[1\]: expected a tensor, got int", lambda w: mb.anchor(w.x, [w.mb[0].lin.weight, 2]))
-call("anchor/x not a tensor", TypeError, r"^x: expected a tensor, got list", lambda w: mb.anchor([1.0], list(w.mb.parameters())))
+call("tie/params not tensors", TypeError, r"^params\[1\]: expected a tensor, got int", lambda w: mb.tie(w.x, [w.mb[0].lin.weight, 2]))
+call("tie/x not a tensor", TypeError, r"^x: expected a tensor, got list", lambda w: mb.tie([1.0], list(w.mb.parameters())))
 
 
 @functools.lru_cache(maxsize=None)

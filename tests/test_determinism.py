@@ -113,11 +113,11 @@ def s_route_scale(device):
     return _collect(out, t["grad"], {"x": x, "scale": scale}, [])
 
 
-def s_anchor(device):
+def s_tie(device):
     t = inputs(device)
     x = _leaf(t["x"])
     ms = branches(device, linear=False)
-    out = mb.anchor(x * 2, [p for m in ms for p in m.parameters()], materialize=True)  # zeros for them
+    out = mb.tie(x * 2, [p for m in ms for p in m.parameters()], materialize=True)  # zeros for them
     return _collect(out, t["grad"], {"x": x}, ms)
 
 
@@ -163,7 +163,7 @@ SCENARIOS: Dict[str, Callable] = {
     **{f"route[{k}]": (lambda d, k=k: s_route(d, k)) for k in ("ids", "mask", "weights")},
     "route[channels_last]": s_route_channels_last,
     "route[scale]": s_route_scale,
-    "anchor": s_anchor,
+    "tie": s_tie,
     **{f"MaskedBranch[{k}]": (lambda d, k=k: s_masked_branch(d, k, False)) for k in ("int", "ids", "mask", "weights")},
     **{f"MaskedBranch[{k},linear]": (lambda d, k=k: s_masked_branch(d, k, True)) for k in ("ids", "weights")},
     "masked_branch": s_masked_branch_functional,

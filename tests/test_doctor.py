@@ -115,8 +115,8 @@ def test_zero_and_anchored_gradients_are_in_the_graph():
 
         def forward(self, x):
             y = self.live(x) + 0 * self.times_zero(x)
-            y = maskedbranch.anchor(y, list(self.anchored.parameters()))
-            return maskedbranch.anchor(y, list(self.materialized.parameters()), materialize=True)
+            y = maskedbranch.tie(y, list(self.anchored.parameters()))
+            return maskedbranch.tie(y, list(self.materialized.parameters()), materialize=True)
 
     report = find_unused_parameters(M(), torch.randn(3, 2))
     assert report.safe

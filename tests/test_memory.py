@@ -151,7 +151,7 @@ def make_steps(backward: bool = True):
         ys = [y * 2 for y in mb.gather(x, plan)]
         w = soft.clone().requires_grad_(True)
         out = mb.combine(ys, plan, weights=w, base=x, tied=list(funcs[0].parameters()), materialize_grads=bool(i % 2))
-        run(mb.anchor(out, list(module.parameters()), materialize=bool(i % 3)))
+        run(mb.tie(out, list(module.parameters()), materialize=bool(i % 3)))
 
     return {
         "MaskedBranch": masked,

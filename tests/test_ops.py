@@ -276,7 +276,7 @@ def test_gradcheck(device, gen, kind):
     assert torch.autograd.gradcheck(lambda w, b, *ys: F.combine(ys, plan, weights=w, base=b), (w, base, *ys))
     assert torch.autograd.gradcheck(lambda *ys: F.combine(ys, plan), tuple(ys))
     for materialize in (False, True):
-        assert torch.autograd.gradcheck(lambda x, p: F.anchor(x * 2, [p], materialize), (x, p))
+        assert torch.autograd.gradcheck(lambda x, p: F.tie(x * 2, [p], materialize), (x, p))
 
     def route(x, w):  # gather -> branches -> combine, as MaskedBranch runs it
         return F.combine([torch.sin(y) * (i + 2) for i, y in enumerate(F.gather(x, plan))], plan, weights=w)
