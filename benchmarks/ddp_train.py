@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -94,28 +94,32 @@ def launch_all(suite: str, names: List[str], same: List[List[str]], world: int, 
     return [spawn_ranks(_train, world, dict(job, launch=k)) for k in range(launches)]
 
 
-def summarize(runs: List[dict], names: List[str], ref_of, module_phases: bool) -> List[list]:
+def summarize(runs: List[dict], names: List[str], ref_of, module_phases: bool, vs: Sequence[str] = ()) -> List[list]:
     """Per contender: median phases (ms, pooled over launches), the median of per-step ratios to
-    ``ref_of(name)`` over all launches, and per launch."""
+    ``ref_of(name)`` over all launches, and per launch; then the median of per-step ratios to
+    each contender of ``vs`` (the steps of one repetition ran on the same inputs)."""
     pooled = {k: {p: [v for r in runs for v in r["phases"][k][p]] for p in PHASES} for k in names}
+
+    def ratio(k, ref):
+        return statistics.median(a / b for a, b in zip(pooled[k]["step"], pooled[ref]["step"]))
+
     rows = []
     for k in names:
         ref = ref_of(k)
         per_launch = [statistics.median(a / b for a, b in zip(r["phases"][k]["step"], r["phases"][ref]["step"])) for r in runs]
-        ratio = statistics.median(a / b for a, b in zip(pooled[k]["step"], pooled[ref]["step"]))
         ms = {p: statistics.median(v) * 1e3 if v else float("nan") for p, v in pooled[k].items()}
         row = [k, ms["step"], ms["fwd"], ms["bwd"], ms["opt"]]
         if module_phases:
             row += [ms["module fwd"], ms["no-grad fwd"], ms["fwd"] - ms["module fwd"]]
-        rows.append(row + [ref, ratio, " / ".join(f"{x:.3g}" for x in per_launch)])
+        rows.append(row + [ref, ratio(k, ref), " / ".join(f"{x:.3g}" for x in per_launch)] + [ratio(k, v) for v in vs])
     return rows
 
 
-def columns(module_phases: bool) -> List[str]:
+def columns(module_phases: bool, vs: Sequence[str] = ()) -> List[str]:
     cols = ["contender", "step ms", "fwd ms", "bwd ms", "opt ms"]
     if module_phases:
         cols += ["module fwd ms", "no-grad fwd ms", "DDP in fwd ms"]
-    return cols + ["against", "step ratio*", "per launch*"]
+    return cols + ["against", "step ratio*", "per launch*"] + [f"step / {v}*" for v in vs]
 
 
 def record_checks(cfg, runs: List[dict], what: str) -> None:

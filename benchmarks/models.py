@@ -21,8 +21,14 @@ def mlp(d: int, h: int) -> nn.Module:
 
 
 def route(layer: nn.ModuleList, x: Tensor, k: int, kind: str) -> Tensor:
-    """One routed layer: ``"masked"`` calls the MaskedBranch, ``"if/else"`` the chosen branch."""
-    return layer(x, k) if kind == "masked" else layer[k](x)
+    """One routed layer: ``"masked"`` calls the MaskedBranch, ``"if/else"`` the chosen branch,
+    ``"dense"`` every branch times a one-hot coefficient (the 0/1 trick: every parameter is used)."""
+    if kind == "masked":
+        return layer(x, k)
+    if kind == "dense":
+        coef = torch.nn.functional.one_hot(torch.tensor(k), len(layer)).to(x.dtype)
+        return sum(coef[j] * br(x) for j, br in enumerate(layer))
+    return layer[k](x)
 
 
 def routed(branches: List[nn.Module], kind: str, materialize_grads=None) -> nn.ModuleList:
@@ -38,16 +44,11 @@ class RoutedMLP(nn.Module):
     def __init__(self, kind: str, layers: int, d: int, h: int, n: int = 4, materialize_grads=None):
         super().__init__()
         self.kind = kind
-        as_list = "if/else" if kind == "dense" else kind
-        self.layers = nn.ModuleList(routed([mlp(d, h) for _ in range(n)], as_list, materialize_grads) for _ in range(layers))
+        self.layers = nn.ModuleList(routed([mlp(d, h) for _ in range(n)], kind, materialize_grads) for _ in range(layers))
 
     def forward(self, x: Tensor, path: Sequence[int]) -> Tensor:
         for layer, k in zip(self.layers, path):
-            if self.kind == "dense":
-                coef = torch.nn.functional.one_hot(torch.tensor(k), len(layer)).to(x.dtype)
-                x = x + sum(coef[j] * br(x) for j, br in enumerate(layer))
-            else:
-                x = x + route(layer, x, k, self.kind)
+            x = x + route(layer, x, k, self.kind)
         return x
 
 
@@ -105,7 +106,8 @@ def choice_layer(cin: int, cout: int, stride: int, kind: str) -> nn.ModuleList:
 class Supernet(nn.Module):
     """Stem -> 12 choice layers in 3 stages (4 layers each; the first of a stage halves the
     resolution) -> 1x1 conv -> pooling -> classifier. ``forward(x, path)``: ``path[i]`` is layer
-    i's choice, drawn per rank and step (single-path one-shot training)."""
+    i's choice, drawn per rank and step (single-path one-shot training). ``kind``: as for
+    :func:`route` ("dense" also trains every choice's BatchNorm statistics)."""
 
     def __init__(self, kind: str, widths: Sequence[int] = (48, 96, 192), stem: int = 16, classes: int = 10, per_stage: int = 4):
         super().__init__()

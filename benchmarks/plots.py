@@ -3,7 +3,8 @@
 * masked.png: routing cost against the oracle (time / oracle vs the number of branches);
 * droppath.png: DropPath time vs drop_prob, against the ideal (1 - p) line;
 * ddp.png / nas.png: the DDP step by approach (forward, backward, optimizer);
-* kernels.png: the routing ops' bandwidth as a fraction of a clone of the same bytes.
+* kernels.png: the routing ops' bandwidth as a fraction of a clone of the same bytes;
+* headline.png: the results page's headline ratios, masked / contender (benchmarks/page.py).
 """
 from __future__ import annotations
 
@@ -89,3 +90,33 @@ def kernels(path: pathlib.Path, rows: List[list]) -> None:
             ax.set_title(str(t), fontsize=10)
         axes[0].set_ylabel("GB/s / clone GB/s (same bytes)")
         axes[0].legend(fontsize=6)
+
+
+def headline(path: pathlib.Path, rows: List[tuple]) -> None:
+    """rows: (label, masked / contender) in the page's order, drawn top to bottom."""
+    height = 1.0 + 0.24 * max(len(rows), 1)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(7.5, height))
+    try:
+        labels = [r[0] for r in rows][::-1]
+        vals = [r[1] for r in rows][::-1]
+        ax.barh(range(len(vals)), [v - 1.0 for v in vals], left=1.0,
+                color=["C2" if v <= 1.0 else "C3" for v in vals])
+        for i, v in enumerate(vals):
+            ax.text(v, i, f" {v:.2f} ", va="center", ha="left" if v > 1.0 else "right", fontsize=7)
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        lo, hi = min(vals + [1.0]), max(vals + [1.0])
+        ax.set_xlim(lo / 1.6, hi * 1.6)
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.set_xlabel("masked / contender (log scale; left of 1: masked is faster)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+    finally:
+        plt.close(fig)

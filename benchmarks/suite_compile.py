@@ -148,20 +148,28 @@ def _timm_step(name, model_name, kw, x, y, rate, patched, fullgraph, forced=None
 
 
 def _timm_rows(cfg) -> List[list]:
+    """Per model, drop rate and setting: patched / timm, both compiled, against the ideal. The
+    ideal takes two more compiled models per model (every block kept, every block dropped):
+    ``cfg.compile_ideal = False`` leaves them out (the page's shorter run)."""
     _, _, reps, warmup = SIZES[cfg.size]
-    rates = (0.4,) if cfg.size == "smoke" else (0.1, 0.2, 0.4)
+    rates = getattr(cfg, "compile_rates", None) or ((0.4,) if cfg.size == "smoke" else (0.1, 0.2, 0.4))
+    with_ideal = getattr(cfg, "compile_ideal", True)
+    _warm_compiler()
     rows = []
     for name, model_name, kw, x, y in _timm_cases(cfg):
 
         def build(rate, patched, forced=None):  # forced: the blocks' share of the step
             step, counter = _timm_step(name, model_name, kw, x, y, rate, patched, True, forced)
             torch.manual_seed(0)
-            seconds = _first_steps(step, 1)
+            # timm's and the patched model's first steps from empty caches, as a first run
+            # compiles them (kernels compiled before would serve one more than the other)
+            with _cold_caches() if forced is None else contextlib.nullcontext():
+                seconds = _first_steps(step, 1)
             _progress(f"{name} {'patched' if patched else 'timm'} rate {rate} forced {forced}", seconds)
             _first_steps(step, warmup)
             return step, seconds, counter
 
-        share = {key: build(0.4, True, forced) for key, forced in (("all kept", 0.0), ("all dropped", 1.0))}
+        share = {key: build(0.4, True, forced) for key, forced in (("all kept", 0.0), ("all dropped", 1.0))} if with_ideal else {}
         for rate in rates:
             made = {"timm": build(rate, False), "patched": build(rate, True)}
             steps = {k: v[0] for k, v in {**made, **share}.items()}
@@ -169,13 +177,18 @@ def _timm_rows(cfg) -> List[list]:
             for t, clock in settings(cfg):
                 with threads(t):
                     times = interleaved(steps, reps, 1, cfg.device, clock, lambda n, r: torch.manual_seed(next(seeds)))
-                t_kept, t_drop, t_timm = (med(times[k]) for k in ("all kept", "all dropped", "timm"))
-                kept = 1.0 - rate / 2  # timm's linear schedule from 0 to the rate: mean keep probability
-                ideal = (t_kept - (t_kept - t_drop) * (1.0 - kept)) / t_timm
+                t_timm = med(times["timm"])
                 ratio = paired(times, "patched", "timm")
+                if share:
+                    t_kept, t_drop = med(times["all kept"]), med(times["all dropped"])
+                    kept = 1.0 - rate / 2  # timm's linear schedule from 0 to the rate: mean keep probability
+                    ideal = (t_kept - (t_kept - t_drop) * (1.0 - kept)) / t_timm
+                    vs_ideal = [ideal, ratio / ideal, ratio / ideal <= 1.05]
+                else:
+                    vs_ideal = ["-", "-", "-"]
                 c_timm, c_patched = made["timm"][1], made["patched"][1]
-                rows.append([name, rate, label(t, clock), t_timm * 1e3, med(times["patched"]) * 1e3, ratio, ideal,
-                             ratio / ideal, ratio / ideal <= 1.05, c_timm, c_patched, c_patched / c_timm,
+                rows.append([name, rate, label(t, clock), t_timm * 1e3, med(times["patched"]) * 1e3, ratio, *vs_ideal,
+                             c_timm, c_patched, c_patched / c_timm,
                              f"{made['timm'][2].graphs} / {made['patched'][2].graphs}"])
     return rows
 
@@ -224,12 +237,16 @@ def _cold_caches():
     return (getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache)()
 
 
-def _timm_cold_rows(cfg) -> List[list]:
-    """The first compiled step of timm and of patched timm (drop_path_rate 0.4, the flags,
-    fullgraph), each from empty caches."""
-    # What a process pays once (inductor's imports, its compile workers), before either is timed.
+def _warm_compiler() -> None:
+    """What a process pays once (inductor's imports, its compile workers), before a compile is timed."""
     warm = nn.Linear(4, 4)
     torch.compile(warm)(torch.randn(2, 4)).sum().backward()
+
+
+def _timm_cold_rows(cfg) -> List[list]:
+    """The first compiled step of timm and of patched timm (drop_path_rate 0.4, the flags,
+    fullgraph), each from empty caches, without the timed steps of the timm case."""
+    _warm_compiler()
     rows = []
     for name, model_name, kw, x, y in _timm_cases(cfg):
         seconds = {}
@@ -319,9 +336,9 @@ def _supernet_rows(cfg, names=None) -> List[list]:
         steps, compile_s, warm_s, graphs, breaks = {}, {}, {}, {}, {}
         contenders = (  # (key, model, compiled, Dynamo settings, path kind); the ideal first, before if/else floods the cache
             ("one path compiled", copy.deepcopy(ifelse), True, _no_flags, "one"),
-            ("masked, flags", copy.deepcopy(masked), True, _flags, "list"),
-            ("masked, no flags", copy.deepcopy(masked), True, _no_flags, "list"),
+            ("masked, tensor path, flags", copy.deepcopy(masked), True, _flags, "tensor"),
             ("masked, tensor path", masked, True, _no_flags, "tensor"),
+            ("masked, int path", copy.deepcopy(masked), True, _no_flags, "list"),
             ("if/else compiled", copy.deepcopy(ifelse), True, _no_flags, "list"),
             ("if/else eager", ifelse, False, _no_flags, "list"),
         )
@@ -343,7 +360,7 @@ def _supernet_rows(cfg, names=None) -> List[list]:
         for t, clock in settings(cfg):
             with threads(t):
                 times = interleaved(steps, reps, 1, cfg.device, clock)
-            for key in ("masked, flags", "masked, no flags", "masked, tensor path"):
+            for key in ("masked, tensor path, flags", "masked, tensor path", "masked, int path"):
                 ratio = paired(times, key, "if/else eager")
                 rows.append([name, key, label(t, clock), med(times["if/else eager"]) * 1e3, med(times[key]) * 1e3,
                              med(times["one path compiled"]) * 1e3, med(times["if/else compiled"]) * 1e3, ratio,
@@ -391,8 +408,11 @@ class _HandMoE(nn.Module):
         return out
 
 
+MOE_SIZES = {"smoke": (32, 64, 8, 256), "quick": (128, 512, 8, 4096), "full": (256, 1024, 8, 8192)}  # d, h, experts, rows
+
+
 def _moe_rows(cfg) -> List[list]:
-    d, h, n, rows_n = {"smoke": (32, 64, 8, 256), "quick": (128, 512, 8, 4096), "full": (256, 1024, 8, 8192)}[cfg.size]
+    d, h, n, rows_n = MOE_SIZES[cfg.size]
     _, _, reps, warmup = SIZES[cfg.size]
     rows = []
     torch.compiler.reset()
@@ -456,12 +476,83 @@ def _moe_rows(cfg) -> List[list]:
     return rows
 
 
+# ----------------------------------------------------------------------------------------------
+# 4. Random depth: int gates, compiled as if/else compiles them
+
+
+class _Depth(nn.Module):
+    """``blocks`` residual MLP blocks; a step runs the first ``depth`` (stochastic depth per batch,
+    LayerDrop's shape). ``form``: "if/else" (``if g >= 0: x = x + block(x)``), "int" (each block a
+    one-branch MaskedBranch called with the int 0 or -1) or "tensor" (the same with 0-d tensors)."""
+
+    def __init__(self, form: str, blocks: int, width: int):
+        super().__init__()
+        self.form = form
+        make = (lambda b: b) if form == "if/else" else (lambda b: mb.MaskedBranch([b]))
+        self.blocks = nn.ModuleList(make(nn.Sequential(nn.LayerNorm(width), mlp(width, width))) for _ in range(blocks))
+
+    def forward(self, x, gates):
+        for block, g in zip(self.blocks, gates):
+            if self.form != "if/else":
+                x = x + block(x, g)
+            elif g >= 0:
+                x = x + block(x)
+        return x
+
+
+def _depth_rows(cfg) -> List[list]:
+    blocks, width, batch = {"smoke": (4, 32, 8), "quick": (8, 256, 64), "full": (8, 256, 64)}[cfg.size]
+    _, _, reps, warmup = SIZES[cfg.size]
+    reps *= 4  # short steps: more of them
+    rng = random.Random(0)
+    depths = [rng.randrange(1, blocks + 1) for _ in range(400)]
+    x = torch.randn(batch, width)
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    models = {form: _Depth(form, blocks, width) for form in ("if/else", "int", "tensor")}
+    with torch.no_grad():
+        for m in (models["int"], models["tensor"]):
+            for p, q in zip(m.parameters(), models["if/else"].parameters()):
+                p.copy_(q)
+    steps, compile_s, counters = {}, {}, {}
+    contenders = (("if/else compiled", "if/else", True), ("masked, int gates", "int", True),
+                  ("masked, tensor gates", "tensor", True), ("if/else eager", "if/else", False))
+    for key, form, comp in contenders:
+        model = copy.deepcopy(models[form]) if comp else models[form]
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+        target, counters[key] = _compile(_own_code(model, key), fullgraph=False) if comp else (model, None)
+        cursor = {"i": 0}
+
+        def inputs(form=form, cursor=cursor):
+            cursor["i"] += 1
+            d = depths[cursor["i"] % len(depths)]
+            gates = [0 if i < d else -1 for i in range(blocks)]
+            return (x, [torch.tensor(g) for g in gates] if form == "tensor" else gates), None
+
+        steps[key] = _train_step(target, opt, inputs, lambda out, _: out.square().mean())
+        compile_s[key] = _first_steps(steps[key], 1)
+        _progress(f"random depth {key}", compile_s[key])
+        compile_s[key] += _first_steps(steps[key], 3 * blocks)  # every depth compiled before the timed steps
+    rows = []
+    for t, clock in settings(cfg):
+        with threads(t):
+            times = interleaved(steps, reps, 1, cfg.device, clock)
+        for key in ("masked, int gates", "masked, tensor gates"):
+            ratio = paired(times, key, "if/else compiled")
+            graphs = f"{counters[key].graphs} / {counters['if/else compiled'].graphs}"
+            rows.append([key, label(t, clock), med(times["if/else compiled"]) * 1e3, med(times[key]) * 1e3, ratio,
+                         paired(times, key, "if/else eager"), compile_s[key], compile_s["if/else compiled"], graphs])
+    return rows
+
+
 def run(cfg) -> list:
     if cfg.device == "cuda":
         note(cfg, "compile: CPU inductor only here (benchmarks/gpu_check.sh has the GPU's compiled cases)")
         return []
     out = []
-    cases = getattr(cfg, "compile_cases", ("timm", "timm-plain", "supernets", "moe"))
+    cases = getattr(cfg, "compile_cases", ("timm", "timm-plain", "supernets", "moe", "depth"))
+    batch, side, reps, _ = SIZES[cfg.size]
+    timm_size = f"batch {batch}, {side} px, {reps} interleaved reps"
     timm_rows = timm_plain = timm_cold = []
     try:
         import timm  # noqa: F401
@@ -473,7 +564,7 @@ def run(cfg) -> list:
         note(cfg, f"compile: timm skipped ({e})")
     if timm_plain:
         out.append(table(
-            "torch.compile (inductor, plain, Dynamo's defaults): patched timm vs timm, both compiled, train step",
+            f"torch.compile (inductor, plain, Dynamo's defaults): patched timm vs timm, both compiled, train step ({timm_size})",
             ["model", "drop_path_rate", "setting", "timm ms", "patched ms", "patched / timm*", "<= 1.00", "compile s timm",
              "compile s patched", "compile ratio", "graphs timm / patched", "graph breaks patched"],
             timm_plain,
@@ -483,8 +574,8 @@ def run(cfg) -> list:
         ))
     if timm_cold:
         out.append(table(
-            "torch.compile (inductor, fullgraph, the flags): the first step of patched timm vs timm, inductor's caches "
-            "empty",
+            f"torch.compile (inductor, fullgraph, the flags): the first step of patched timm vs timm, inductor's caches "
+            f"empty (batch {batch}, {side} px)",
             ["model", "drop_path_rate", "compile s timm", "compile s patched", "compile ratio", "<= 1.5"],
             timm_cold,
             "Budget (issue 30): compile ratio <= 1.5. Each first step starts from empty caches (in memory and on disk), "
@@ -492,13 +583,14 @@ def run(cfg) -> list:
         ))
     if timm_rows:
         out.append(table(
-            "torch.compile (inductor, fullgraph): patched timm vs timm, both compiled, train step",
+            f"torch.compile (inductor, fullgraph): patched timm vs timm, both compiled, train step ({timm_size})",
             ["model", "drop_path_rate", "setting", "timm ms", "patched ms", "patched / timm*", "ideal", "ratio / ideal", "<= 1.05",
              "compile s timm", "compile s patched", "compile ratio", "graphs timm / patched"],
             timm_rows,
             "Budget (issue 22): ratio / ideal <= 1.05, compile ratio <= 1.2. *Median of per-repetition ratios. The ideal: "
             "(all kept - (all kept - all dropped) x rate / 2) / timm, rate / 2 being the mean dropped fraction of "
-            "timm's linear schedule; compile s: the first step (trace, compile, run); graphs after warm-up. Patched "
+            "timm's linear schedule ('-': not measured); compile s: the first step (trace, compile, run) from empty "
+            "inductor caches; graphs after warm-up. Patched "
             "ConvNeXt compiles with options={'layout_optimization': False} (CPU inductor, docs/guides/compile.md), "
             "timm with the defaults.",
         ))
@@ -514,20 +606,32 @@ def run(cfg) -> list:
              "compile s if/else", "compile ratio", f"first {1 + SIZES[cfg.size][3] + 4} steps s masked",
              "same, if/else compiled", "graphs masked / if/else", "graph breaks masked"],
             supernet_rows,
-            "Budget (issue 30): masked / if/else eager <= 0.9, at most 2 graphs after warm-up, with and without the flags; "
-            "compile ratio (the first step, masked over one if/else path) <= 1.5. The ideal: one path compiled (the "
-            "if/else supernet compiled, always given the same path). The path: a list of ints (Dynamo makes each int "
-            "dynamic the first time it changes), or a tensor (data from the first step). Masked runs only the chosen "
-            "choice of each layer: stacked for same-shaped choices, one torch.cond per choice otherwise "
-            "(docs/guides/compile.md). if/else compiled specializes on each path (graphs up to Dynamo's recompile limit, "
-            "then eager). Each contender has a forward of its own code name, and no profile of earlier runs is read "
+            "Budget: masked with a tensor path / if/else eager <= 0.9 (ideal: one path compiled), 1 graph, with and "
+            "without the flags; compile ratio (the first step, masked over one if/else path) <= 1.5. The ideal: one path "
+            "compiled (the if/else supernet compiled, always given the same path). The path: 0-d tensors (data: one graph "
+            "for every path; only the chosen choice of each layer runs, stacked for same-shaped choices, one torch.cond "
+            "per choice otherwise) or a list of ints (each layer's choice inlined as if/else compiles it: a graph per "
+            "path, as for if/else compiled; docs/guides/compile.md). if/else compiled specializes on each path (graphs "
+            "up to the recompile limit, here 64, then eager). Each contender has a forward of its own code name, and no profile of earlier runs is read "
             "(graphs as in a script's first run). The first steps' seconds hold every compile a run's first paths "
             "cause (if/else compiled: one graph per new path). *Median of per-step ratios.",
         ))
+    if "depth" in cases:
+        out.append(table(
+            "torch.compile (inductor, plain): random depth (residual MLP blocks, a step runs the first d), masked vs "
+            "if/else, both compiled",
+            ["masked gates", "setting", "if/else compiled ms", "masked ms", "masked / if/else compiled*",
+             "masked / if/else eager*", "first steps s masked", "same, if/else", "graphs masked / if/else"],
+            _depth_rows(cfg),
+            "Budget: int gates / if/else compiled <= 1.05 with no more graphs than if/else. Int gates (0 or -1 per "
+            "block) compile as if/else does: the chosen branch inlined, a graph per depth; 0-d tensor gates are data, one "
+            "graph for every depth. AdamW; the first steps compile every depth before the timed ones. *Median of "
+            "per-step ratios.",
+        ))
     if "moe" in cases:
         out.append(table(
-            "torch.compile (inductor, fullgraph): MaskedBranch as a mixture of experts (router, 8 MLP experts) vs the "
-            "oracle compiled",
+            "torch.compile (inductor, fullgraph): MaskedBranch as a mixture of experts (router, {2} MLP experts "
+            "{0}->{1}->{0}, {3} rows, {4} interleaved reps) vs the oracle compiled".format(*MOE_SIZES[cfg.size], reps),
             ["gate", "setting", "oracle ms", "oracle + router ms", "hand-written ms", "masked ms", "masked / oracle*",
              "<= 1.05", "masked / oracle + router*", "masked / hand-written*", "compile s masked",
              "graphs masked / oracle"],

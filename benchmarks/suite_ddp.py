@@ -33,6 +33,7 @@ from .models import RoutedMLP
 NAMES = ["masked", "masked, bucket view", "masked (static_graph)", "masked, no pruning",
          "if/else (fup=True)", "if/else (fup=True), bucket view", "dense 0/1"]
 REF = "if/else (fup=True)"
+DENSE = "dense 0/1"
 # Contenders that train exactly as if/else with find_unused_parameters=True.
 SAME = [["masked", REF], ["masked, bucket view", REF + ", bucket view"], ["masked (static_graph)", REF]]
 BUDGET = 1.15  # issue 13: masked step / if/else (fup=True) step
@@ -75,7 +76,7 @@ def run(cfg) -> list:
                lr=1e-3, weight_decay=1e-4, module_phases=True)
     runs = launch_all(__name__, NAMES, SAME, world, launches, job)
     record_checks(cfg, runs, "ddp")
-    rows = summarize(runs, NAMES, ref_of, module_phases=True)
+    rows = summarize(runs, NAMES, ref_of, module_phases=True, vs=[DENSE])
     from .plots import ddp_steps
 
     ddp_steps(cfg.out / "ddp.png", rows, "24 routed MLP layers")
@@ -84,11 +85,12 @@ def run(cfg) -> list:
     return [table(
         f"DDP step ({backend}; 24 routed layers x 4 MLP branches {d}->{h}->{d}, batch {batch} per rank, "
         f"SGD momentum 0.9, weight decay 1e-4; {launches} launches x {reps} interleaved steps; medians in ms, rank 0)",
-        columns(True),
+        columns(True, vs=[DENSE]),
         rows,
         f"Budget (issue 13): masked / if/else (fup=True) <= {BUDGET}. *Median of per-step ratios against the "
         "contender in 'against' (if/else with the same gradient_as_bucket_view setting), over all launches, then "
         "per launch (fresh processes and routing draws). masked, masked (static_graph) and masked, bucket view "
         "train exactly as if/else (fup=True) (checked: parameters and buffers equal after the timed steps); "
-        "masked, no pruning steps the zero gradients of unused branches.",
+        "masked, no pruning steps the zero gradients of unused branches. 'step / dense 0/1': the median of per-step ratios "
+        "against dense 0/1.",
     )]

@@ -5,9 +5,11 @@ CPU, SGD with momentum and weight decay. Contenders, interleaved step by step:
 * masked: each choice layer a MaskedBranch called with the int choice, DDP with the defaults
   (find_unused_parameters=False); the optimizer-step pruning is automatic;
 * if/else (fup=True): ``layer[k](x)`` on the same ModuleList, DDP(find_unused_parameters=True);
-* the same two with gradient_as_bucket_view=True.
+* the same two with gradient_as_bucket_view=True;
+* dense 0/1: every choice of every layer times a one-hot coefficient, DDP(find_unused_parameters=
+  False) (every parameter used; every choice's BatchNorm statistics train too).
 
-Both train identically (checked: parameters and BatchNorm buffers bitwise equal after the timed
+masked and if/else train identically (checked: parameters and BatchNorm buffers bitwise equal after the timed
 steps); the table gives the step ratio (budget, issue 13: masked <= 1.00x if/else).
 """
 from __future__ import annotations
@@ -23,7 +25,8 @@ from .ddp_train import columns, launch_all, record_checks, summarize
 from .models import Supernet
 
 REF = "if/else (fup=True)"
-NAMES = ["masked", REF, "masked, bucket view", REF + ", bucket view"]
+DENSE = "dense 0/1"
+NAMES = ["masked", REF, "masked, bucket view", REF + ", bucket view", DENSE]
 SAME = [["masked", REF], ["masked, bucket view", REF + ", bucket view"]]
 BUDGET = 1.00
 
@@ -35,7 +38,8 @@ SIZES = {  # widths of the 3 stages, stem width, image side, batch per rank
 
 
 def build(name: str, job: dict) -> torch.nn.Module:
-    return Supernet("masked" if name.startswith("masked") else "if/else", widths=job["widths"], stem=job["stem"])
+    kind = "masked" if name.startswith("masked") else "dense" if name == DENSE else "if/else"
+    return Supernet(kind, widths=job["widths"], stem=job["stem"])
 
 
 def ddp_kwargs(name: str) -> dict:
@@ -65,7 +69,7 @@ def run(cfg) -> list:
                lr=0.05, weight_decay=4e-5, module_phases=False)
     runs = launch_all(__name__, NAMES, SAME, world, launches, job)
     record_checks(cfg, runs, "nas")
-    rows = summarize(runs, NAMES, ref_of, module_phases=False)
+    rows = summarize(runs, NAMES, ref_of, module_phases=False, vs=[DENSE])
     from .plots import ddp_steps
 
     ddp_steps(cfg.out / "nas.png", rows, "NAS supernet, 12 choice layers")
@@ -76,9 +80,9 @@ def run(cfg) -> list:
         f"with BatchNorm, stages {'/'.join(map(str, widths))}, {side}x{side} images, batch {batch} per rank, every rank "
         f"its own path per step; SGD momentum 0.9, weight decay 4e-5; {launches} launches x {reps} interleaved steps; "
         "medians in ms, rank 0)",
-        columns(False),
+        columns(False, vs=[DENSE]),
         rows,
         f"Budget (issue 13): masked / if/else (fup=True) <= {BUDGET:.2f}, training identical (checked: parameters and "
         "BatchNorm buffers bitwise equal after the timed steps). *Median of per-step ratios against the contender in "
-        "'against', over all launches, then per launch.",
+        "'against', over all launches, then per launch; 'step / dense 0/1' against dense 0/1.",
     )]

@@ -257,8 +257,7 @@ def stacked(owner: nn.Module, branches: Sequence[nn.Module], x: Tensor, gate: Te
     The zeros for -1 are a ``torch.where`` on the output. Where the branch ends in a ReLU whose
     input is not saved otherwise, inductor then saves a bool mask for the backward, which its
     CPU code stores slowly; an opaque pick of the output would avoid that but costs branches
-    with BatchNorm, the common case, more (the figures: benchmarks/RESULTS.md, "Where the
-    compiled ReLU supernet ... lose their time")."""
+    with BatchNorm, the common case, more."""
     first = branches[0]
     n = len(branches)
     param_names, buffer_names = _state_names(id(owner))
