@@ -61,7 +61,7 @@ What changes and what does not:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -83,6 +83,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torchvisio
 from .. import _structure, _unit
 from ..drop_path import DropPath as _MaskedDropPath
 from ..residual import drop_add_residual
+from ._report import BlockPatchReport, display
 
 __all__ = ["PatchReport", "SUPPORTED", "patch", "unpatch", "is_patched"]
 
@@ -333,36 +334,12 @@ def _restore(original: type) -> nn.Module:
 # patch / unpatch.
 
 
-@dataclass
-class PatchReport:
-    """What :func:`patch` did. ``converted``: block name -> torchvision class of each converted
-    block; ``already``: blocks converted by an earlier call; ``skipped``: name -> why it keeps
-    torchvision's computation (only with ``strict=False``); ``notes``: converted blocks with a
-    caveat (a BatchNorm in a branch)."""
+class PatchReport(BlockPatchReport):
+    """What :func:`patch` did (the fields: :class:`~maskedbranch.integrations._report.BlockPatchReport`;
+    ``notes``: a BatchNorm in a branch)."""
 
-    converted: Dict[str, str] = field(default_factory=dict)
-    already: List[str] = field(default_factory=list)
-    skipped: Dict[str, str] = field(default_factory=dict)
-    notes: Dict[str, str] = field(default_factory=dict)
+    library = "torchvision"
 
-    def __len__(self) -> int:
-        return len(self.converted)
-
-    def __str__(self) -> str:
-        counts: Dict[str, int] = {}
-        for cls in self.converted.values():
-            counts[cls] = counts.get(cls, 0) + 1
-        lines = [f"maskedbranch: converted {len(self.converted)} torchvision block(s)"]
-        lines += [f"  {n} x {cls}" for cls, n in counts.items()]
-        if self.already:
-            lines.append(f"  {len(self.already)} block(s) were converted already")
-        lines += [f"  note {name}: {why}" for name, why in self.notes.items()]
-        lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
-        return "\n".join(lines)
-
-
-def _display(name: str) -> str:
-    return name or "<root>"
 
 
 def _examine(name: str, block: nn.Module, slot: str) -> Tuple[Optional[type], str]:
@@ -378,7 +355,7 @@ def _examine(name: str, block: nn.Module, slot: str) -> Tuple[Optional[type], st
     if slot != rule.slot:
         return None, f"{slot} is not the drop module torchvision's {type(block).__qualname__} applies ({rule.slot})"
     try:
-        _structure.check_skippable([block.get_submodule(m) for m in rule.branches], f"{_display(name)}: the branch")
+        _structure.check_skippable([block.get_submodule(m) for m in rule.branches], f"{display(name)}: the branch")
     except ValueError as e:
         return None, str(e)
     return base, ""
@@ -431,16 +408,16 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: Any = Tru
         owner_name, _, slot = name.rpartition(".")
         owner = modules[owner_name]
         if isinstance(m, _TvStochasticDepth) and not _is_tv_drop(m):
-            report.skipped[_display(name)] = f"{type(m).__qualname__} overrides StochasticDepth.forward"
+            report.skipped[display(name)] = f"{type(m).__qualname__} overrides StochasticDepth.forward"
             continue
         if issubclass(type(owner), _Patched):
-            if _display(owner_name) not in report.already:
-                report.already.append(_display(owner_name))
+            if display(owner_name) not in report.already:
+                report.already.append(display(owner_name))
             continue
         base, why = _examine(owner_name, owner, slot)
         if base is None:
             if isinstance(m, _TvStochasticDepth):  # a maskedbranch DropPath elsewhere is not ours to convert
-                report.skipped[_display(name)] = why
+                report.skipped[display(name)] = why
         elif _RULES[base].applies(owner):
             todo[owner_name] = (owner, base)
     if strict and report.skipped:
@@ -461,9 +438,9 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: Any = Tru
         ]
         block.__class__ = _patched_class(original)
         block.__dict__[_STATE] = _State(base, materialize_grads, batch_norm, bn_paths)
-        report.converted[_display(name)] = original.__qualname__
+        report.converted[display(name)] = original.__qualname__
         if bn_paths:
-            report.notes[_display(name)] = "BatchNorm in a branch: see patch(batch_norm=...)"
+            report.notes[display(name)] = "BatchNorm in a branch: see patch(batch_norm=...)"
     for m in model.modules():
         state = m.__dict__.get(_STATE)
         if state is not None:

@@ -63,7 +63,6 @@ What changes and what does not:
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -79,6 +78,7 @@ except ImportError as e:  # pragma: no cover - exercised only without timm
     ) from e
 
 from ... import _unit
+from .._report import BlockPatchReport, display
 from . import _blocks, _graph, _trace
 
 __all__ = ["PatchReport", "TESTED_FAMILIES", "patch", "unpatch", "is_patched"]
@@ -94,36 +94,12 @@ TESTED_FAMILIES: Tuple[str, ...] = (
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
-@dataclass
-class PatchReport:
-    """What :func:`patch` did. ``converted``: block name -> timm class of each converted block;
-    ``already``: blocks converted by an earlier call; ``skipped``: name -> why it keeps timm's
-    computation (only with ``strict=False``); ``notes``: converted blocks with a caveat (a
-    BatchNorm in a branch, a plan traced at the first call)."""
+class PatchReport(BlockPatchReport):
+    """What :func:`patch` did (the fields: :class:`~maskedbranch.integrations._report.BlockPatchReport`;
+    ``notes``: a BatchNorm in a branch, a plan traced at the first call)."""
 
-    converted: Dict[str, str] = field(default_factory=dict)
-    already: List[str] = field(default_factory=list)
-    skipped: Dict[str, str] = field(default_factory=dict)
-    notes: Dict[str, str] = field(default_factory=dict)
+    library = "timm"
 
-    def __len__(self) -> int:
-        return len(self.converted)
-
-    def __str__(self) -> str:
-        counts: Dict[str, int] = {}
-        for cls in self.converted.values():
-            counts[cls] = counts.get(cls, 0) + 1
-        lines = [f"maskedbranch: converted {len(self.converted)} timm block(s)"]
-        lines += [f"  {n} x {cls}" for cls, n in counts.items()]
-        if self.already:
-            lines.append(f"  {len(self.already)} block(s) were converted already")
-        lines += [f"  note {name}: {why}" for name, why in self.notes.items()]
-        lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
-        return "\n".join(lines)
-
-
-def _display(name: str) -> str:
-    return name or "<root>"
 
 
 def _qualname(cls: type) -> str:
@@ -219,16 +195,16 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: Any = Tru
     for name, owned in _owners(model).items():
         block = model.get_submodule(name)
         if _blocks.is_patched_class(type(block)):
-            report.already.append(_display(name))
+            report.already.append(display(name))
             continue
         convertible, problems, note = _examine(block, owned)
         if problems:
             why = "; ".join(f"{p}: {w}" for p, w in problems.items())
-            report.skipped[_display(name)] = f"{_qualname(type(block))}: {why}"
+            report.skipped[display(name)] = f"{_qualname(type(block))}: {why}"
         if convertible:
             todo.append((name, block, convertible))
             if note:
-                report.notes[_display(name)] = note
+                report.notes[display(name)] = note
     if strict and report.skipped:
         listing = "\n".join(f"  {n}: {w}" for n, w in report.skipped.items())
         raise ValueError(
@@ -252,7 +228,7 @@ def patch(model: nn.Module, *, strict: bool = True, materialize_grads: Any = Tru
         block.__class__ = _blocks.patched_class(original)
         block.__dict__[_blocks.STATE] = _blocks.BlockState(name, slots, materialize_grads, batch_norm)
         _unit.note_module(block)
-        report.converted[_display(name)] = original.__qualname__
+        report.converted[display(name)] = original.__qualname__
     for m in model.modules():
         state = m.__dict__.get(_blocks.STATE)
         if state is not None:
