@@ -9,10 +9,7 @@ gives another output). Tiny models of every family whose blocks own a ``Stochast
 """
 import copy
 import io
-import os
 import pickle
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
@@ -21,7 +18,7 @@ from torch import nn
 
 torchvision = pytest.importorskip("torchvision")
 
-from harness import Counting, leave_job, results_of, run_ranks  # noqa: E402
+from harness import Counting, results_of, run_ranks, run_scenarios  # noqa: E402
 from torchvision.models import convnext, efficientnet, maxvit, swin_transformer  # noqa: E402
 from torchvision.models.video import mvit  # noqa: E402
 from torchvision.models.video import swin_transformer as swin3d  # noqa: E402
@@ -406,14 +403,7 @@ def _ddp_run(rank):
 
 
 def _ddp_worker(rank, world, init_file, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90))
-    try:
-        result = ("ok", _ddp_run(rank))
-    except Exception:  # noqa: BLE001 - reported by the test
-        result = ("error", traceback.format_exc())
-    torch.save({"torchvision": result}, os.path.join(out_dir, f"rank{rank}.pt"))
-    leave_job()
+    run_scenarios(rank, world, init_file, out_dir, {"torchvision": lambda r, group: _ddp_run(r)})
 
 
 @pytest.mark.distributed
