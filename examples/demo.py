@@ -34,6 +34,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import maskedbranch
 from maskedbranch import MaskedBranch
 
+from _ranks import everyone, leave, sent  # examples/_ranks.py
+
 EXPERTS = 4
 VARIANTS = ("masked", "ifelse", "dense")
 NAMES = {
@@ -65,12 +67,6 @@ def setup():
 def say(*lines):
     if dist.get_rank() == 0:
         print(*lines, sep="\n", flush=True)
-
-
-def everyone(value):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def verdict(ok):
@@ -255,17 +251,17 @@ def train(args, device, d_in=64, classes=10):
                 times[v].append(time.perf_counter() - t0)
                 totals[v] += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=device)])
         for v in VARIANTS:
-            dist.all_reduce(totals[v])  # the loss over all ranks, for logging
+            dist.all_reduce(sent(totals[v]))  # the loss over all ranks, for logging
         say(f"  epoch {epoch}: loss " + ", ".join(f"{v} {totals[v][0].item() / totals[v][1].item():.4f}" for v in VARIANTS))
     absent_all = torch.tensor(absent, device=device)
-    dist.all_reduce(absent_all)
+    dist.all_reduce(sent(absent_all))
     out = {"absent": int(absent_all), "slots": EXPERTS * world * steps}
     for v in VARIANTS:
         params = flat(models[v].parameters())
         first = params.clone()
-        dist.broadcast(first, src=0)
+        dist.broadcast(sent(first), src=0)
         ms = torch.tensor(statistics.median(times[v][2:] or times[v]) * 1e3, device=device)
-        dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        dist.all_reduce(sent(ms), op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         out[v] = {"ms": ms.item(), "params": params, "replicas_equal": all(everyone(bool(torch.equal(params, first)))),
                   "first_grads": first_grads[v]}
     return out
@@ -290,8 +286,8 @@ def main():
         r = res[v]
         d_params = (r["params"] - ref["params"]).abs().max()
         d_grads = (r["first_grads"] - ref["first_grads"]).abs().max()
-        dist.all_reduce(d_params, op=dist.ReduceOp.MAX)
-        dist.all_reduce(d_grads, op=dist.ReduceOp.MAX)
+        dist.all_reduce(sent(d_params), op=dist.ReduceOp.MAX)
+        dist.all_reduce(sent(d_grads), op=dist.ReduceOp.MAX)
         r["d_params"], r["d_grads"] = d_params.item(), d_grads.item()
         say(f"{NAMES[v]:46s} {r['ms']:8.1f} {r['ms'] / res['masked']['ms']:8.2f}x  "
             f"{'equal' if r['replicas_equal'] else 'DIFFER':>8s}  {r['d_params']:14.1e}  {r['d_grads']:20.1e}")
@@ -306,8 +302,7 @@ def main():
         f"MaskedBranch trains as (a) if/else + find_unused_parameters=True: {verdict(trains_as_ifelse)}",
         f"MaskedBranch replicas identical after training: {verdict(replicas)}",
         "", f"DEMO {verdict(ok)}")
-    dist.barrier()  # no collective in flight when the group goes away
-    dist.destroy_process_group()
+    leave()
     if not ok:
         raise SystemExit(1)
 

@@ -23,6 +23,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, Wav2Vec2Co
 
 from maskedbranch.integrations import transformers as mb_hf
 
+from _ranks import everyone, leave  # examples/_ranks.py
 from _records import same  # examples/_records.py
 
 STEPS = 4
@@ -96,14 +97,12 @@ def main():
     rank = dist.get_rank()
     if args.out:
         torch.save(records, f"{args.out}.rank{rank}.pt")
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, records["patched"])
+    ranks = everyone(records["patched"])
     if rank == 0:
-        print(f"gradients and parameters equal on all {len(everyone)} ranks: {all(same(everyone[0], e) for e in everyone)}")
+        print(f"gradients and parameters equal on all {len(ranks)} ranks: {all(same(ranks[0], r) for r in ranks)}")
         if args.compare:
             print(f"equal to HF's model with find_unused_parameters=True: {same(records['reference'], records['patched'])}")
-    dist.barrier()  # no collective in flight when the group goes away
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from _ranks import everyone, leave, sent  # examples/_ranks.py
+
 EXPERTS = 4
 
 
@@ -48,12 +50,6 @@ def setup():
 def say(*lines):
     if dist.get_rank() == 0:
         print(*lines, sep="\n", flush=True)
-
-
-def everyone(value):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def expected_reference(world):
@@ -148,7 +144,7 @@ def train(args, device):
             loss.backward()
             opt.step()
             total += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=device)])
-        dist.all_reduce(total)  # the loss over all ranks, for logging
+        dist.all_reduce(sent(total))  # the loss over all ranks, for logging
         say(f"  epoch {epoch}: loss {total[0].item() / total[1].item():.4f} ({time.perf_counter() - t0:.1f} s)")
 
 
@@ -159,8 +155,7 @@ def main():
     reproduced = reference_case(device)
     train(args, device)
     say("ifelse_before: the failure of plain if/else was " + ("reproduced" if reproduced else "NOT reproduced"))
-    dist.barrier()  # no collective in flight when the group goes away
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

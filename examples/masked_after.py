@@ -27,6 +27,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import maskedbranch
 from maskedbranch import MaskedBranch
 
+from _ranks import everyone, leave, sent  # examples/_ranks.py
+
 EXPERTS = 4
 
 
@@ -51,12 +53,6 @@ def setup():
 def say(*lines):
     if dist.get_rank() == 0:
         print(*lines, sep="\n", flush=True)
-
-
-def everyone(value):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def close(got, want):
@@ -136,11 +132,11 @@ def train(args, device):
             loss.backward()
             opt.step()
             total += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=device)])
-        dist.all_reduce(total)  # the loss over all ranks, for logging
+        dist.all_reduce(sent(total))  # the loss over all ranks, for logging
         say(f"  epoch {epoch}: loss {total[0].item() / total[1].item():.4f} ({time.perf_counter() - t0:.1f} s)")
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     first = flat.clone()
-    dist.broadcast(first, src=0)
+    dist.broadcast(sent(first), src=0)
     same = everyone(bool(torch.equal(flat, first)))
     say(f"  replicas identical on all {world} ranks after training: " + ("PASS" if all(same) else f"FAIL {same}"))
     return all(same)
@@ -153,8 +149,7 @@ def main():
     ok = reference_case(device)
     ok &= train(args, device)
     say("masked_after: " + ("PASS" if ok else "FAIL"))
-    dist.barrier()  # no collective in flight when the group goes away
-    dist.destroy_process_group()
+    leave()
     if not ok:
         raise SystemExit(1)
 

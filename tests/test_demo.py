@@ -4,6 +4,7 @@ whichever way it came out (`bash scripts/demo.sh` runs it end to end; CI does no
 import importlib.util
 import os
 import re
+import sys
 
 import pytest
 
@@ -12,9 +13,14 @@ DEMO = os.path.join(ROOT, "examples", "demo.py")
 
 
 def load_demo():
+    """examples/demo.py as torchrun loads it: its folder first on the path (for examples/_ranks.py)."""
     spec = importlib.util.spec_from_file_location("maskedbranch_demo", DEMO)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, os.path.dirname(DEMO))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(os.path.dirname(DEMO))
     return module
 
 
