@@ -21,7 +21,7 @@ zeros when ``zeros`` is set (docs/design.md, "Dead parameters").
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -247,3 +247,27 @@ def alias(x: Tensor, params: Sequence[Tensor]) -> Tuple[Tensor, ...]:
 
 def pick(tensors: Sequence[Tensor], index: Tensor, branches: int) -> Tuple[Tensor, ...]:
     return Pick.route(index, branches, *tensors)
+
+
+def tie_outputs(output: Any, dead: Sequence[Tensor], zeros: bool) -> Any:
+    """``output`` with every tensor that requires grad replaced by a copy whose backward also
+    reaches ``dead`` (one node per tensor; the backward calls each parameter's hook once, from
+    the first it reaches). Tuples, lists, dicts (HF ModelOutputs) as the model made them."""
+    if isinstance(output, Tensor):
+        return tie(output, dead, zeros) if output.requires_grad else output
+    if isinstance(output, dict):  # in place: an HF ModelOutput keeps its attributes in step
+        for k, v in list(output.items()):
+            new = tie_outputs(v, dead, zeros)
+            if new is not v:
+                output[k] = new
+        return output
+    if isinstance(output, list):
+        for i, v in enumerate(output):
+            output[i] = tie_outputs(v, dead, zeros)
+        return output
+    if isinstance(output, tuple):
+        items = [tie_outputs(v, dead, zeros) for v in output]
+        if all(a is b for a, b in zip(items, output)):
+            return output
+        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
+    return output

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from . import _autograd, _compat, _unit
 from ._ops import ops
+from ._signatures import traced_signature
 
 COND_TORCH = "2.13"  # torch.cond with buffers carried, in training: tested on 2.13.0 and 2.14.1
 
@@ -375,64 +376,6 @@ def masked(branch: Callable, x: Tensor, kept: Tensor, args: Tuple[Any, ...], sca
         return torch.zeros((h.shape[0], math.prod(trailing)), dtype=dtype, device=h.device)
 
     return torch.cond(kept, run, skip, (_rows(x),)).reshape(shape[0], *trailing)
-
-
-# ----------------------------------------------------------------------------------------------
-# Output signatures, found on meta tensors while a graph is traced.
-
-
-def _probe(branch: Any, x: Tensor) -> Optional[Tuple[tuple, torch.dtype, bool]]:
-    def meta(t: Tensor) -> Tensor:
-        return t.to("meta")
-
-    try:
-        with torch.no_grad():
-            xm = torch.empty(x.shape, dtype=x.dtype, device="meta")
-            if isinstance(branch, nn.Module):
-                state = {k: meta(v) for k, v in branch.named_parameters(remove_duplicate=False)}
-                state.update({k: meta(v) for k, v in branch.named_buffers(remove_duplicate=False)})
-                y = torch.func.functional_call(branch, state, (xm,), strict=False)
-            else:
-                y = branch(xm)
-    except Exception:  # noqa: BLE001 - unknown: the routed rows
-        return None
-    if not isinstance(y, Tensor) or y.dim() < 1 or y.shape[0] != x.shape[0]:
-        return None
-    return tuple(y.shape[1:]), y.dtype, _compat.is_view_of(y, xm)
-
-
-def signature_of(branches: Sequence[Any], trailing: tuple, dtype: torch.dtype) -> Optional[Tuple[tuple, torch.dtype, Tuple[bool, ...]]]:
-    """The branches' common output signature for an input of this trailing shape and dtype, and
-    which of them return a view of their input; None when one cannot run on meta tensors or
-    they disagree."""
-    x = torch.empty((2, *trailing), dtype=dtype, device="meta")
-    found = [_probe(b, x) for b in branches]
-    if any(f is None for f in found) or len({f[:2] for f in found}) != 1:
-        return None
-    return found[0][0], found[0][1], tuple(f[2] for f in found)
-
-
-_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
-
-
-@torch.compiler.assume_constant_result
-def _signature_while_tracing(key: int, trailing: tuple, dtype: str) -> Any:
-    owner = _unit.module_by_id(key)
-    if owner is None or dtype not in _DTYPES:
-        return None
-    found = signature_of(list(owner._unit_modules()), trailing, _DTYPES[dtype])
-    return None if found is None else (found[0], str(found[1]), found[2])
-
-
-def traced_signature(owner: nn.Module, x: Tensor) -> Optional[Tuple[tuple, torch.dtype, Tuple[bool, ...]]]:
-    """:func:`signature_of` for ``owner``'s branches, answered while the graph is traced (a
-    constant of the graph); None for symbolic trailing sizes or autocast (whose dtypes the meta
-    run does not see)."""
-    trailing = tuple(x.shape[1:])
-    if any(type(d) is not int for d in trailing) or torch.is_autocast_enabled(x.device.type) or str(x.dtype) not in _DTYPES:
-        return None
-    found = _signature_while_tracing(id(owner), trailing, str(x.dtype))
-    return None if found is None else (tuple(found[0]), _DTYPES[found[1]], tuple(found[2]))
 
 
 # ----------------------------------------------------------------------------------------------

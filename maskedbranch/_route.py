@@ -10,7 +10,7 @@ untouched; see docs/design.md for the semantics.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -18,7 +18,7 @@ from torch import Tensor
 from . import _autograd, _choice, _ops
 from ._args import check_per_row_devices, route_args
 from ._gate import INT_DTYPES, check_output, normalize_gate
-from ._signatures import Signatures, _dead_output_signature, _input_key, _mismatch, _mismatch_probed, _probe
+from ._signatures import Signatures, _dead_output_signature, check_agreement, learn_signature, traced_signature
 from ._structure import Branches, module_of
 from ._unit import Mode
 
@@ -104,30 +104,36 @@ def _common_dtype(ys: Sequence[Tensor], base: Optional[Tensor]) -> torch.dtype:
     return dtype
 
 
-def route(
-    table: Branches,
-    x: Tensor,
-    gate: Any,
-    args: Tuple[Any, ...] = (),
-    kwargs: Optional[Dict[str, Any]] = None,
-    *,
-    mode: Mode = Mode.SKIP,
-    base: Optional[Tensor] = None,
-    scale: Any = 1.0,
-    signatures: Optional[Signatures] = None,
-    where: str = "branches",
-    wiring: Any = None,
-    drawn: bool = False,
-) -> Tuple[Tensor, Any]:
+class Call(NamedTuple):
+    """A routed call's settings beside its inputs. ``mode`` (the calling unit's,
+    maskedbranch/_unit.py) says whether the call ties the parameters of the branches that did
+    not run (``mode.call_ties``: None no, False with undefined gradients, True with zeros) or runs
+    them on aliases; ``base`` and ``scale`` as in :func:`route`; ``signatures``: the unit's
+    learned output signatures; ``where``: the name in messages; ``wiring``: the unit's wiring,
+    when a call must launch the reduction of a forward that its wrapper's hooks missed;
+    ``drawn``: the gate is a drop path's own draw (0 or -1 per row), valid by construction:
+    compiled, its padded plan is made from it directly, without the plan that checks a user's
+    gate (a plan op and its data-dependent sizes fewer per call: each costs compile time)."""
+
+    mode: Mode = Mode.SKIP
+    base: Optional[Tensor] = None
+    scale: Any = 1.0
+    signatures: Optional[Signatures] = None
+    where: str = "branches"
+    wiring: Any = None
+    drawn: bool = False
+
+
+_PLAIN_CALL = Call()
+
+
+def route(table: Branches, x: Tensor, gate: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None,
+          call: Call = _PLAIN_CALL) -> Tuple[Tensor, Any]:
     """``base + scale * sum_i g[:, i] * branch_i(x, ...)``, and which branches ran: a bit mask
-    (an int) in eager mode, a bool tensor ``[N]`` under torch.compile. ``mode`` (the calling
-    unit's, maskedbranch/_unit.py) says whether this call ties the parameters of the branches
-    that did not run (``mode.call_ties``: None no, False with undefined gradients, True with
-    zeros) or runs them on aliases. ``wiring``: the unit's wiring, when a call's tie must
-    launch the reduction of a forward that its wrapper's hooks missed. ``drawn``: the gate is a
-    drop path's own draw (0 or -1 per row), valid by construction; compiled, its padded plan is
-    made from it directly, without the plan of the gate that checks a user's gate (a plan op and
-    its data-dependent sizes fewer per call: each costs compile time).
+    (an int) in eager mode, a bool tensor ``[N]`` under torch.compile. In steps: plan the rows
+    of each branch; where the whole batch goes to one branch or to none, run that alone on x
+    itself; otherwise gather each branch's rows, run the branches that have rows, combine their
+    outputs (tying what did not run, :class:`Call`); then record what ran.
 
     Under torch.compile (and torch.export) the gate is data: which branches run and on how many
     rows are not known while the graph is made, so every branch runs on its rows (none
@@ -140,35 +146,65 @@ def route(
     kind, gate = normalize_gate(gate, x, n)
     if args or kwargs:
         check_per_row_devices(args, kwargs, x)
-    batch = x.shape[0]
     compiling = torch.compiler.is_compiling()
-    if kind == "int":
-        if compiling:
-            gate = torch.full((batch,), gate, dtype=torch.int64)
-        elif gate >= 0:
-            return _fallback_hook(_one_branch(table, x, gate, args, kwargs, mode, base, scale, where), mode, wiring), 1 << gate
-        else:
-            return _fallback_hook(_no_branch(table, x, gate, args, kwargs, mode, base, signatures, where), mode, wiring), 0
-
-    weights = gate if gate.dim() == 2 and gate.is_floating_point() else None
-    ran: Any = None
-    if compiling and batch > 0 and drawn:
-        plan, weights, ran = _padded_plan(gate, n, None, weights, x)
+    if kind == "int" and compiling:
+        kind, gate = "ids", torch.full((x.shape[0],), gate, dtype=torch.int64)
+    planned = None if kind == "int" else _plan(gate, n, x, call.drawn, compiling)
+    k = gate if planned is None else None if compiling else _whole_batch(planned, x.shape[0])
+    if k is None:
+        out, ran = _routed(table, x, planned, args, kwargs, call, compiling)
+    elif k >= 0:  # an int gate returns what its branch returns, as if/else does: nothing learned
+        signatures = None if kind == "int" else call.signatures
+        out, ran = _one_branch(table, x, k, args, kwargs, call.mode, call.base, call.scale, call.where, signatures), 1 << k
     else:
-        plan, offsets = _ops.plan_and_offsets(gate, n, device=x.device)  # host counts; a device gate reads back once
-        if compiling and batch > 0:
-            plan, weights, ran = _padded_plan(gate, n, offsets, weights, x)
-    if not compiling and weights is None and batch > 0 and plan.num_entries == batch and batch in plan.counts:
-        # Every row goes to one branch, in order: run it on x itself (no gather, no copy).
-        i = plan.counts.index(batch)
-        out = _one_branch(table, x, i, args, kwargs, mode, base, scale, where, signatures)
-        return _fallback_hook(out, mode, wiring), 1 << i
-    if not compiling and plan.num_entries == 0:
-        return _fallback_hook(_no_branch(table, x, gate, args, kwargs, mode, base, signatures, where), mode, wiring), 0
+        out, ran = _no_branch(table, x, gate, args, kwargs, call.mode, call.base, call.signatures, call.where), 0
+    return (out if compiling else _fallback_hook(out, call.mode, call.wiring)), ran
 
-    x_in, aliases, zeros = _aliases(table, x, mode, where)
+
+def _plan(gate: Tensor, n: int, x: Tensor, drawn: bool, compiling: bool) -> tuple:
+    """(plan, the gate's weights or None, which branches have rows or None, the plan's offsets
+    or None). Eager: the host knows the counts (a device gate reads back once). Compiled: the
+    padded plan, whose sizes do not depend on the gate's values."""
+    weights = gate if gate.dim() == 2 and gate.is_floating_point() else None
+    if compiling and x.shape[0] > 0 and drawn:
+        return (*_padded_plan(gate, n, None, weights, x), None)
+    plan, offsets = _ops.plan_and_offsets(gate, n, device=x.device)
+    if compiling and x.shape[0] > 0:
+        return (*_padded_plan(gate, n, offsets, weights, x), offsets)
+    return plan, weights, None, offsets
+
+
+def _whole_batch(planned: tuple, batch: int) -> Optional[int]:
+    """The branch that every row goes to, in order, unweighted (it runs on x itself: no gather,
+    no copy), -1 when no row reaches any branch, else None."""
+    plan, weights = planned[0], planned[1]
+    if weights is None and batch > 0 and plan.num_entries == batch and batch in plan.counts:
+        return plan.counts.index(batch)
+    return -1 if plan.num_entries == 0 else None
+
+
+def _routed(table: Branches, x: Tensor, planned: tuple, args, kwargs, call: Call, compiling: bool) -> Tuple[Tensor, Any]:
+    """Gather each branch's rows, run the branches that have rows, combine: (out, what ran)."""
+    plan, weights, ran, offsets = planned
+    x_in, aliases, zeros = _aliases(table, x, call.mode, call.where)
+    live, carried = _run_on_rows(table, x_in, aliases, plan, args, kwargs, call.where, compiling)
+    check_agreement(table, live, x, args, kwargs, None if compiling else call.signatures, call.where)
+    if compiling:
+        tied: Tuple[Tensor, ...] = ()  # every branch is in the graph
+        ran = offsets.diff() > 0 if ran is None else ran
+        for i, pairs in carried:
+            _choice.write_back(pairs, ran[i])
+    else:
+        ran = sum(1 << i for i in live)
+        tied = _tied(table, ran, zeros)
+    return _combine(live, len(table.branches), plan, weights, call, tied, zeros, x), ran
+
+
+def _run_on_rows(table: Branches, x_in: Tensor, aliases, plan: _ops.Plan, args, kwargs, where: str, compiling: bool):
+    """({branch: its output on its rows} for the branches that run, the buffers they carried
+    out when compiled)."""
     xs = _rows_of(x_in, plan)
-    routed_args, routed_kwargs = route_args(args, kwargs, batch, lambda t: _Parts(_rows_of(t, plan)))
+    routed_args, routed_kwargs = route_args(args, kwargs, x_in.shape[0], lambda t: _Parts(_rows_of(t, plan)))
     live: Dict[int, Tensor] = {}
     carried: Optional[list] = [] if compiling else None
     for i, c in enumerate(plan.counts):
@@ -177,7 +213,13 @@ def route(
         a = tuple(v.parts[i] if isinstance(v, _Parts) else v for v in routed_args)
         kw = {k: v.parts[i] if isinstance(v, _Parts) else v for k, v in routed_kwargs.items()}
         live[i] = check_output(_run(table, i, aliases, xs[i], a, kw, carried), f"{where}[{i}]", c)
-    _check_agreement(table, live, x, args, kwargs, None if compiling else signatures, where)
+    return live, carried
+
+
+def _combine(live: Dict[int, Tensor], n: int, plan: _ops.Plan, weights: Optional[Tensor], call: Call,
+             tied: Tuple[Tensor, ...], zeros: Any, x: Tensor) -> Tensor:
+    """``base + scale * sum_i g[:, i] * y_i`` back in row order, in the outputs' common dtype."""
+    base, scale, batch = call.base, call.scale, x.shape[0]
     first = next(iter(live.values()))
     ys = [live[i] if i in live else first.new_empty((0, *first.shape[1:])) for i in range(n)]
     if len({y.dtype for y in ys} | ({base.dtype} if base is not None else set())) > 1:
@@ -193,16 +235,7 @@ def route(
         weights = torch.full((batch, 1), scale, dtype=dtype, device=x.device) if weights is None else weights * scale
     elif weights is not None and weights.device != x.device:
         weights = weights.to(x.device, non_blocking=True)
-    if compiling:
-        tied: Tuple[Tensor, ...] = ()  # every branch is in the graph
-        ran = offsets.diff() > 0 if ran is None else ran
-        for i, pairs in carried:
-            _choice.write_back(pairs, ran[i])
-    else:
-        ran = sum(1 << i for i in live)
-        tied = _tied(table, ran, zeros)
-    out = _autograd.combine(ys, plan, weights=weights, base=base, tied=tied, zeros=bool(zeros))
-    return (_fallback_hook(out, mode, wiring) if not compiling else out), ran
+    return _autograd.combine(ys, plan, weights=weights, base=base, tied=tied, zeros=bool(zeros))
 
 
 def _fallback_hook(out: Tensor, mode: Mode, wiring: Any) -> Tensor:
@@ -248,7 +281,7 @@ def choose(owner: Any, branches: Sequence[Any], x: Tensor, gate: Any, args: Tupl
         # An int >= 0 needs no zeros for -1 (a symbolic one guards on its sign: -1 is a graph of its own).
         out = _choice.stacked(owner, branches, x, g, args, kwargs, nonnegative=k is not None and bool(k >= 0))
     elif form == _choice.CONDS:
-        sig = _choice.traced_signature(owner, x)
+        sig = traced_signature(owner, x)
         if sig is None:
             return None
         out = _choice.conds(branches, x, g, args, kwargs, sig[:2], sig[2])
@@ -355,34 +388,6 @@ class _Parts:
         self.parts = parts
 
 
-def _check_agreement(table, live: Dict[int, Tensor], x, args, kwargs, signatures: Optional[Signatures], where: str) -> None:
-    """A tensor gate combines the branches' rows: they must agree on trailing shape and dtype.
-    The live ones are compared on every call; at the first call with inputs like these, the
-    others too, on meta tensors (a branch that cannot run there is compared when it runs), so that
-    a rarely chosen branch that disagrees fails at once, not hours into a job."""
-    items = iter(live.items())
-    i0, y0 = next(items)
-    for i, y in items:
-        if y.shape[1:] != y0.shape[1:] or y.dtype != y0.dtype:
-            raise _mismatch(f"{where}[{i}]", y, f"{where}[{i0}]", (tuple(y0.shape[1:]), y0.dtype, i0))
-    if signatures is not None:
-        _learn(table, live, i0, y0, x, args, kwargs, signatures, where)
-
-
-def _learn(table, live, i0: int, y0: Tensor, x, args, kwargs, signatures: Signatures, where: str) -> None:
-    """Remember the output's signature for inputs like these; at the first call with them, check
-    the branches that did not run on meta tensors (see :func:`_check_agreement`)."""
-    key = _input_key(x, args, kwargs)
-    if key not in signatures.table:
-        want = (tuple(y0.shape[1:]), y0.dtype)
-        for i, branch in enumerate(table.branches):
-            if i not in live:
-                sig = _probe(branch, x, args, kwargs)
-                if sig is not None and sig != want:
-                    raise _mismatch_probed(f"{where}[{i}]", sig, f"{where}[{i0}]", (*want, i0))
-    signatures.learn(key, y0, i0, f"{where}[{i0}]")
-
-
 def _one_branch(table, x, k, args, kwargs, mode: Mode, base, scale, where, signatures=None) -> Tensor:
     """The whole batch through branch k, on x itself, then the call's tie (a copy, when the
     mode ties dead parameters per call)."""
@@ -393,7 +398,7 @@ def _one_branch(table, x, k, args, kwargs, mode: Mode, base, scale, where, signa
     if signatures is not None or base is not None or scale != 1.0 or tied:
         y = check_output(y, label, x.shape[0])
         if signatures is not None:
-            _learn(table, (k,), k, y, x, args, kwargs, signatures, where)
+            learn_signature(table, (k,), k, y, x, args, kwargs, signatures, where)
     if base is not None:
         if y.dtype != base.dtype:
             dtype = torch.promote_types(y.dtype, base.dtype)

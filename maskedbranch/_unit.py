@@ -104,6 +104,18 @@ def materialize_name(value: Optional[bool]) -> str:
 running: List[Any] = []
 
 
+class StandIn:
+    """A wrapper simulated in one process (maskedbranch/doctor/simulate.py): pushed on
+    ``running`` as a wrapper's forward would be, it decides for the units that run under it
+    (``decide_for(unit) -> Mode``) and is alive while it is pushed."""
+
+    def decide_for(self, unit: RoutingUnit) -> Mode:
+        raise NotImplementedError
+
+    def alive(self) -> bool:
+        return True
+
+
 def current_wrapper() -> Any:
     return running[-1] if running else _compat.active_ddp()
 
@@ -364,6 +376,11 @@ def traced_mode(owner: nn.Module) -> Mode:
     """The mode of ``owner``'s unit inside a compiled graph: a constant of the graph."""
     w = current_wrapper()
     return _MODES[_mode_while_tracing(id(owner), None if w is None else id(w))]
+
+
+def forget_all(units: Any) -> None:
+    for u in list(units):
+        u.forget()
 
 
 def unit_of(m: Any) -> Optional[RoutingUnit]:

@@ -24,9 +24,10 @@ imports it. A wiring acts only through hooks on its own wrapper:
    back. No collective runs in the step.
 
 A DDP module is wired when it is built around a model with routing units (a module registration
-hook sees ``DDP.module`` being set), so its hooks run from its first forward. Other wrappers are
-wired when a unit first runs under them; a DDP wired during its forward (the hook was not
-there) ties per call in that forward and reduces it from its backward.
+hook, maskedbranch/unused_grads.py, sees ``DDP.module`` being set), so its hooks run from its
+first forward. Other wrappers are wired when a unit first runs under them; a DDP wired during
+its forward (the hook was not there) ties per call in that forward and reduces it from its
+backward.
 """
 from __future__ import annotations
 
@@ -80,24 +81,12 @@ def _root_of(wrapper: nn.Module) -> nn.Module:
 # The decision, plugged into the routing (maskedbranch/_unit.py).
 
 
-class StandIn:
-    """A wrapper simulated in one process (maskedbranch/doctor/simulate.py): pushed on
-    ``_unit.running`` as a wrapper's forward would be, it decides for the units that run under it
-    (``decide_for(unit) -> Mode``) and is alive while it is pushed."""
-
-    def decide_for(self, unit: RoutingUnit) -> Mode:
-        raise NotImplementedError
-
-    def alive(self) -> bool:
-        return True
-
-
 def decide(unit: RoutingUnit, wrapper: Any) -> Mode:
     """Decide ``unit``'s mode under ``wrapper`` (None: no wired wrapper's forward runs), store
     it in the unit, and wire the wrapper if it is not yet."""
     if wrapper is None and _unit.distributed():
         wrapper = _compat.wrapper_on_stack()
-    if isinstance(wrapper, StandIn):  # a wrapper simulated in one process (the doctor's): it decides
+    if isinstance(wrapper, _unit.StandIn):  # a wrapper simulated in one process (the doctor's): it decides
         return wrapper.decide_for(unit)
     if wrapper is None:
         unit.check_skippable()
@@ -109,31 +98,6 @@ def decide(unit: RoutingUnit, wrapper: Any) -> Mode:
 # A plain function on the instance (not a staticmethod object: not callable before Python 3.10, and
 # a call Dynamo cannot trace, a graph break in every compiled call that decides).
 _unit.DATA_PARALLEL.decide = decide
-
-
-# ----------------------------------------------------------------------------------------------
-# DDP modules are wired when they are built: a module registration hook (it runs when a module
-# is assigned as another's attribute, at construction, never in a forward) sees DDP.module set.
-
-_registration: List[Any] = []
-
-
-def watch_ddp_construction() -> None:
-    if not _registration:
-        _registration.append(nn.modules.module.register_module_module_registration_hook(_registered))
-
-
-def unwatch_ddp_construction() -> None:
-    while _registration:
-        _registration.pop().remove()
-
-
-def _registered(parent: nn.Module, name: str, child: Any) -> None:
-    if torch.compiler.is_compiling():
-        return  # (a graph module built while a graph is traced: no DDP is made there)
-    if name == "module" and isinstance(parent, nn.parallel.DistributedDataParallel) and isinstance(child, nn.Module):
-        if _unit.routing_modules(child):
-            wiring_for(parent, before_forward=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,7 +134,7 @@ class Wiring:
             wrapper.register_forward_pre_hook(_before_forward),
             wrapper.register_forward_hook(_after_forward, always_call=True),
         ]
-        weakref.finalize(wrapper, forget_units, self.units)
+        weakref.finalize(wrapper, _unit.forget_all, self.units)
 
     def alive(self) -> bool:
         return self.ref() is not None
@@ -239,7 +203,7 @@ class Wiring:
             self.launch_first()
         if self.tied_per_call:  # its units decide again, now that this wiring's hooks run
             self.tied_per_call = False
-            forget_units(self.units)
+            _unit.forget_all(self.units)
         layout = self._layout()
         if layout is not None:
             layout.clear()
@@ -264,7 +228,7 @@ class Wiring:
                     "into the output for DistributedDataParallel. Return tensors, tuples, lists or dicts of "
                     "them, or pass materialize_grads='none' to the routing modules (each call then ties its own)."
                 )
-            output = tie_outputs(output, dead, self.context == _decide.DDP_STATIC)
+            output = _autograd.tie_outputs(output, dead, self.context == _decide.DDP_STATIC)
         w = self.ref()
         sync = not isinstance(w, nn.parallel.DistributedDataParallel) or bool(w.require_backward_grad_sync)
         hook = functools.partial(self._backward_starts, number, sync)
@@ -448,7 +412,7 @@ class Wiring:
         if w is not None and _wirings.get(w) is self:
             del _wirings[w]
             version[0] += 1
-        forget_units(self.units)
+        _unit.forget_all(self.units)
 
 
 class StepParams:
@@ -461,35 +425,6 @@ class StepParams:
         self.by_position = {k: p for p, k in mine}
         self.bits = sum(1 << k for k in self.by_position)
         self.others = [(k, self.by_position[k]) for k in others if k in self.by_position]
-
-
-def forget_units(units) -> None:
-    for u in list(units):
-        u.forget()
-
-
-def tie_outputs(output: Any, dead: Sequence[Tensor], zeros: bool) -> Any:
-    """``output`` with every tensor that requires grad replaced by a copy whose backward also
-    reaches ``dead`` (one node per tensor; the backward calls each parameter's hook once, from
-    the first it reaches). Tuples, lists, dicts (HF ModelOutputs) as the model made them."""
-    if isinstance(output, Tensor):
-        return _autograd.tie(output, dead, zeros) if output.requires_grad else output
-    if isinstance(output, dict):  # in place: an HF ModelOutput keeps its attributes in step
-        for k, v in list(output.items()):
-            new = tie_outputs(v, dead, zeros)
-            if new is not v:
-                output[k] = new
-        return output
-    if isinstance(output, list):
-        for i, v in enumerate(output):
-            output[i] = tie_outputs(v, dead, zeros)
-        return output
-    if isinstance(output, tuple):
-        items = [tie_outputs(v, dead, zeros) for v in output]
-        if all(a is b for a, b in zip(items, output)):
-            return output
-        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
-    return output
 
 
 @torch.compiler.disable

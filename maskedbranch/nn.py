@@ -166,10 +166,8 @@ class MaskedBranch(_structure.RoutingModuleList):
             if chosen is not None:  # an int or 0-d gate: the chosen branch alone, in one graph
                 _route.record(unit, chosen[1])
                 return chosen[0]
-        out, ran = _route.route(
-            self._branches(), x, gate, args, kwargs, mode=mode, signatures=None if compiling else unit.signatures,
-            where="branches", wiring=None if compiling else unit.wiring,
-        )
+        call = _route.Call(mode, signatures=None if compiling else unit.signatures, wiring=None if compiling else unit.wiring)
+        out, ran = _route.route(self._branches(), x, gate, args, kwargs, call)
         _route.record(unit, ran)
         return out
 
@@ -221,6 +219,6 @@ def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any
     if mode is None:  # no module branch (no parameters to tie): a router's output is tied under a wrapper
         local = _unit.current_wrapper() is None and not _unit.distributed()
         mode = Mode.SKIP if local else Mode.NONE
-    out, ran = _route.route(_structure.Branches(branch_list), x, gate, args, kwargs, mode=mode)
+    out, ran = _route.route(_structure.Branches(branch_list), x, gate, args, kwargs, _route.Call(mode))
     _functional.record(branch_list, ran, "masked_branch")
     return out

@@ -89,8 +89,8 @@ def _residual(
                                      generator, x.dtype, tie, stateless)
     if out is not None:
         return out, ran
-    return _route.route(table, x, gate, args, kwargs, mode=tie(), base=x, scale=scale, where="branch", wiring=wiring,
-                        drawn=True)
+    return _route.route(table, x, gate, args, kwargs,
+                        _route.Call(tie(), base=x, scale=scale, where="branch", wiring=wiring, drawn=True))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,7 +45,9 @@ class _StepHook:
     """The one optimizer step pre-hook and the state it owns: the routing units alive (counted,
     so that the hook goes with the last one), its handle while installed, per optimizer what a
     step reads in each wiring, the optimizers that an explicit handle serves, and how many
-    gradients the last step reset."""
+    gradients the last step reset. With it comes the module registration hook that wires a DDP
+    module when it is built (it runs when a module is assigned as another's attribute, at
+    construction, never in a forward, and sees ``DDP.module`` set)."""
 
     def __init__(self) -> None:
         self.units: "weakref.WeakSet[RoutingUnit]" = weakref.WeakSet()
@@ -56,6 +58,7 @@ class _StepHook:
         self.params: "weakref.WeakKeyDictionary[Any, Tuple[tuple, list]]" = weakref.WeakKeyDictionary()
         self.explicit: "weakref.WeakKeyDictionary[Any, UnusedGradsToNone]" = weakref.WeakKeyDictionary()
         self.last_reset = 0
+        self.ddp_watch: Any = None
 
     def install(self) -> None:
         if self.handle is None:
@@ -66,14 +69,31 @@ class _StepHook:
             self.handle.remove()
             self.handle = None
 
+    def watch_ddp_construction(self) -> None:
+        if self.ddp_watch is None:
+            self.ddp_watch = nn.modules.module.register_module_module_registration_hook(_registered)
+
+    def unwatch_ddp_construction(self) -> None:
+        if self.ddp_watch is not None:
+            self.ddp_watch.remove()
+            self.ddp_watch = None
+
 
 _hook = _StepHook()
+
+
+def _registered(parent: nn.Module, name: str, child: Any) -> None:
+    if torch.compiler.is_compiling():
+        return  # (a graph module built while a graph is traced: no DDP is made there)
+    if name == "module" and isinstance(parent, nn.parallel.DistributedDataParallel) and isinstance(child, nn.Module):
+        if _unit.routing_modules(child):
+            _wiring.wiring_for(parent, before_forward=True)
 
 
 def _created(unit: RoutingUnit) -> None:
     """Each routing unit, when it is created (its module made or copied). In a distributed job a
     DDP module may be built around it next: the watch that wires it at construction
-    (maskedbranch/_wiring.py) and the step pre-hook are installed now. Elsewhere they come when
+    and the step pre-hook are installed now. Elsewhere they come when
     needed (a model built before ``init_process_group`` gets its DDP wired at the first forward)."""
     _hook.units.add(unit)
     _hook.alive += 1
@@ -84,7 +104,7 @@ def _created(unit: RoutingUnit) -> None:
 
 def _needed() -> None:
     _hook.install()
-    _wiring.watch_ddp_construction()
+    _hook.watch_ddp_construction()
 
 
 # plain functions on the instance, as _wiring.py sets decide
@@ -96,7 +116,7 @@ def _gone() -> None:
     _hook.alive -= 1
     if _hook.alive <= 0 and not _wiring.all_wirings():
         uninstall()
-        _wiring.unwatch_ddp_construction()
+        _hook.unwatch_ddp_construction()
 
 
 def uninstall() -> None:

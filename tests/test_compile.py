@@ -860,16 +860,16 @@ def test_drop_paths_dense_form_through_the_fallback():
 
 
 def test_view_check_and_its_fallback():
-    from maskedbranch import _compat, _choice
+    from maskedbranch import _compat, _signatures
 
     x = torch.empty(4, 3, device="meta")
     assert _compat.is_view_of(x, x) and _compat.is_view_of(x.view(12), x) and _compat.is_view_of(x[1:], x[:2])
     assert not _compat.is_view_of(x.clone(), x)
     branches = [nn.Identity(), nn.Linear(3, 3)]
-    assert _choice.signature_of(branches, (3,), torch.float32) == ((3,), torch.float32, (True, False))
+    assert _signatures.signature_of(branches, (3,), torch.float32) == ((3,), torch.float32, (True, False))
     _compat._force_fallback["views"] = True
     try:  # without the check every branch's output is copied
-        assert _choice.signature_of(branches, (3,), torch.float32)[2] == (True, True)
+        assert _signatures.signature_of(branches, (3,), torch.float32)[2] == (True, True)
     finally:
         _compat._force_fallback["views"] = False
 

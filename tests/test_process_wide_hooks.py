@@ -28,7 +28,7 @@ import maskedbranch as mb
 from maskedbranch import _wiring, unused_grads
 
 def installed():
-    return unused_grads._hook.handle is not None, bool(_wiring._registration)
+    return unused_grads._hook.handle is not None, unused_grads._hook.ddp_watch is not None
 
 def train(model, steps=3, gate=lambda s: s % 2):
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -130,14 +130,14 @@ class Net(nn.Module):
 def _worker(rank, world, init_file, out_dir):
     from datetime import timedelta
 
-    from maskedbranch import _wiring, unused_grads
+    from maskedbranch import unused_grads
 
     torch.set_num_threads(1)
     torch.manual_seed(5)  # identical initial weights on every rank
     masked = Net(True).double()
     ifelse = Net(False).double()
     ifelse.load_state_dict(masked.state_dict())
-    before_init = (unused_grads._hook.handle is not None, bool(_wiring._registration))
+    before_init = (unused_grads._hook.handle is not None, unused_grads._hook.ddp_watch is not None)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=90))
     models = {"masked": DDP(masked), "ifelse": DDP(ifelse, find_unused_parameters=True)}

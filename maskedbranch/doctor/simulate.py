@@ -1,7 +1,7 @@
 """The doctor's simulated ranks: one process sees the graph of a DDP job. Inside
 :func:`as_if_under_ddp` the routing units of a model decide as under DDP (its C++ reducer, no
 static_graph), through the data-parallel layer's one seam for a stand-in wrapper
-(``_wiring.StandIn``), and :meth:`Simulated.tie` ties into each forward's output what a DDP
+(``_unit.StandIn``), and :meth:`Simulated.tie` ties into each forward's output what a DDP
 wiring would."""
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Any, Dict, Iterator
 
 from torch import nn
 
-from .. import _decide, _layout, _unit, _wiring
+from .. import _autograd, _decide, _layout, _unit, _wiring
 from .._unit import Mode, RoutingUnit
 
 
-class Simulated(_wiring.StandIn):
+class Simulated(_unit.StandIn):
     """Stands for the DDP wrapper of ``root`` while :func:`as_if_under_ddp` runs: its units decide
     as under DDP, and :meth:`tie` ties into a forward's output what a DDP wiring would."""
 
@@ -45,7 +45,7 @@ class Simulated(_wiring.StandIn):
         if not units:
             return output
         dead = _layout.Layout(self.root, units).take(self, _wiring.AT_WRAPPER_MODES, keep_records=True)[2]
-        return _wiring.tie_outputs(output, dead, False) if dead else output
+        return _autograd.tie_outputs(output, dead, False) if dead else output
 
 
 class _Decided:
@@ -78,4 +78,4 @@ def as_if_under_ddp(root: nn.Module) -> Iterator[Simulated]:
         yield sim
     finally:
         _unit.running.remove(sim)
-        _wiring.forget_units(sim.units)
+        _unit.forget_all(sim.units)

@@ -55,7 +55,7 @@ What changes and what does not:
   saving) while its BatchNorm trains, and is routed once the BatchNorm is frozen (eval mode or
   ``FrozenBatchNorm2d``). ``batch_norm="kept"`` routes it anyway: the BatchNorm normalizes over
   the kept samples (and updates its running statistics from them), a different computation.
-* The plan of a block is traced per input signature (shapes past the batch, dtypes, the values of
+* The rewrite of a block is traced per input signature (shapes past the batch, dtypes, the values of
   non-tensor arguments, the block's plain attributes): the first training call with a new one
   costs a trace (milliseconds). Attributes of submodules that the block's forward reads in Python
   are fixed at that trace: :func:`unpatch` and patch again after changing them.
@@ -96,7 +96,7 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 class PatchReport(BlockPatchReport):
     """What :func:`patch` did (the fields: :class:`~maskedbranch.integrations._report.BlockPatchReport`;
-    ``notes``: a BatchNorm in a branch, a plan traced at the first call)."""
+    ``notes``: a BatchNorm in a branch, a rewrite traced at the first call)."""
 
     library = "timm"
 

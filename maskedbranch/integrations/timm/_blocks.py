@@ -3,15 +3,15 @@
 A converted block keeps timm's class as a base and timm's ``forward``; only ``__call__`` is
 overridden. When no drop path of the block is active (eval mode, ``drop_prob == 0``), under
 symbolic tracing, TorchScript tracing or ``torch.export``, it calls ``nn.Module.__call__`` (so
-timm's forward, hooks and all). Otherwise it runs the rewritten forward of the plan that matches
-the call's arguments, traced at the first such call.
+timm's forward, hooks and all). Otherwise it runs its rewrite (the rewritten forward) that
+matches the call's arguments, traced at the first such call.
 
-Plans are shared: blocks of one structure (timm class, plain attributes of the block and of its
+Rewrites are shared: blocks of one structure (timm class, plain attributes of the block and of its
 children, children's names and types, the arguments' shapes past the batch, dtypes and values)
 run one generated forward, which reads everything block-specific from the block it is given.
-Under torch.compile a missing plan is built while the graph is traced, for real
-(``torch.compiler.assume_constant_result``), and the graph inlines the plan's code: nothing about
-plans is read from Python state that changes between calls, and a model whose blocks share a
+Under torch.compile a missing rewrite is built while the graph is traced, for real
+(``torch.compiler.assume_constant_result``), and the graph inlines the rewrite's code: nothing
+about rewrites is read from Python state that changes between calls, and a model whose blocks share a
 structure compiles their calls from the same code.
 """
 from __future__ import annotations
@@ -29,13 +29,13 @@ from . import _graph, _slots, _trace
 from ._slots import batch_stats_type, drop_settings, is_drop_path, uses_batch_stats  # noqa: F401 - the package's API
 
 STATE = "_maskedbranch_timm"  # the converted block's BlockState, in its __dict__
-_MAX_PLANS = 256  # shared by every block; more input signatures than this evict the oldest
+_MAX_REWRITES = 256  # shared by every block; more input signatures than this evict the oldest
 _PLAIN = (bool, int, float, str, type(None))
 
 
 class BlockState:
     """Per converted block: its name and drop-path slots, the options of ``patch``, and the
-    structural part of its plan key (rebuilt after copying or unpickling)."""
+    structural part of its rewrite key (rebuilt after copying or unpickling)."""
 
     def __init__(self, name: str, slots: Sequence[str], materialize: bool, batch_norm: str):
         self.name = name
@@ -44,8 +44,8 @@ class BlockState:
         self.batch_norm = batch_norm
         self.warned: Set[str] = set()
         self._structure: Optional[Tuple[tuple, Any]] = None  # (children, key)
-        self.checked = 0  # the plan whose branches this block last checked for collectives
-        self.traced_plan: Optional[Callable] = None  # set while torch.compile traces a call
+        self.checked = 0  # the rewrite whose branches this block last checked for collectives
+        self.traced_rewrite: Optional[Callable] = None  # set while torch.compile traces a call
         self.unit: Optional[_unit.RoutingUnit] = None  # made at the first call (copies make their own)
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -58,7 +58,7 @@ class BlockState:
         return [block.get_submodule(s) for s in self.slots]
 
     def structure(self, block: nn.Module) -> Any:
-        """What the plan depends on besides the arguments: the block's plain attributes (read by
+        """What the rewrite depends on besides the arguments: the block's plain attributes (read by
         its forward's Python control flow), its children's names, types and plain attributes."""
         children = tuple(block._modules.values())
         found = self._structure
@@ -139,7 +139,7 @@ class PatchedBlock(_structure.CacheOwner):
             unit = state.unit = _unit.RoutingUnit(self, state.name or type(self).__name__, state.materialize)
         return unit
 
-    # The unit's owner: the drop paths' branches are checked per plan (_plan), and no group is
+    # The unit's owner: the drop paths' branches are checked per rewrite (_rewrite), and no group is
     # reduced (zeros or none: nothing is reset).
     def _unit_groups(self) -> List[Sequence[Tensor]]:
         return []
@@ -152,7 +152,7 @@ class PatchedBlock(_structure.CacheOwner):
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
-        _unit.note_module(self)  # found by id while a graph is traced (see _plan_while_tracing)
+        _unit.note_module(self)  # found by id while a graph is traced (see _rewrite_while_tracing)
 
     def __reduce_ex__(self, protocol: int):
         return _restore, (original_class(type(self)),), self.__getstate__()
@@ -193,7 +193,7 @@ def _restore(original: type) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------------------------
-# Arguments -> plan.
+# Arguments -> rewrite.
 
 
 _SIGNATURES: Dict[type, Any] = {}
@@ -249,7 +249,7 @@ def batch_size(values: Sequence[Any]):
 
 
 def argument_spec(values: Sequence[Any]) -> tuple:
-    """The arguments as a plan sees them: for tensors, whether per sample, shape past the
+    """The arguments as a rewrite sees them: for tensors, whether per sample, shape past the
     batch, dtype and device type; other values as they are (hashable)."""
     batch = batch_size(values)
     parts = []
@@ -262,36 +262,36 @@ def argument_spec(values: Sequence[Any]) -> tuple:
     return tuple(parts)
 
 
-_PLANS: Dict[Any, int] = {}  # plan key -> plan number
-_BY_NUMBER: Dict[int, Optional[Callable]] = {}  # plan number -> the rewritten forward (None: timm's)
+_REWRITES: Dict[Any, int] = {}  # rewrite key -> rewrite number
+_BY_NUMBER: Dict[int, Optional[Callable]] = {}  # rewrite number -> the rewritten forward (None: timm's)
 
 
-def _plan(block: nn.Module, state: BlockState, spec: tuple, values: Sequence[Any]) -> int:
-    """The number of the plan for this block's structure and these arguments (made if missing)."""
+def _rewrite(block: nn.Module, state: BlockState, spec: tuple, values: Sequence[Any]) -> int:
+    """The number of the rewrite for this block's structure and these arguments (made if missing)."""
     key = (state.structure(block), spec)
-    number = _PLANS.get(key)
+    number = _REWRITES.get(key)
     if number is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _BY_NUMBER.pop(_PLANS.pop(next(iter(_PLANS))), None)
-        number = _PLANS[key] = len(_BY_NUMBER) + 1 + max(_BY_NUMBER, default=0)
-        _BY_NUMBER[number] = build_plan(block, state, values)
-    plan = _BY_NUMBER[number]
-    if plan is not None and state.checked != number:
-        _slots.check_branches(block, plan.slots, state.name)  # once per block and plan
+        if len(_REWRITES) >= _MAX_REWRITES:
+            _BY_NUMBER.pop(_REWRITES.pop(next(iter(_REWRITES))), None)
+        number = _REWRITES[key] = len(_BY_NUMBER) + 1 + max(_BY_NUMBER, default=0)
+        _BY_NUMBER[number] = build_rewrite(block, state, values)
+    rewrite = _BY_NUMBER[number]
+    if rewrite is not None and state.checked != number:
+        _slots.check_branches(block, rewrite.slots, state.name)  # once per block and rewrite
         state.checked = number
     return number
 
 
 @torch.compiler.assume_constant_result
-def _plan_while_tracing(block_id: int, spec: tuple) -> int:
-    """Run for real while torch.compile traces: make the plan of this block and these arguments
-    if it is missing and leave it in the block's state (``traced_plan``), which the traced code
+def _rewrite_while_tracing(block_id: int, spec: tuple) -> int:
+    """Run for real while torch.compile traces: make the rewrite of this block and these arguments
+    if it is missing and leave it in the block's state (``traced_rewrite``), which the traced code
     reads next (an attribute read sees this call's effect; a dict the trace read before would
-    not). Returns the plan's number."""
+    not). Returns the rewrite's number."""
     block = _unit.module_by_id(block_id)
     state = block.__dict__[STATE]
-    number = _plan(block, state, spec, [_meta_value(s) for s in spec])
-    state.traced_plan = _BY_NUMBER[number]
+    number = _rewrite(block, state, spec, [_meta_value(s) for s in spec])
+    state.traced_rewrite = _BY_NUMBER[number]
     return number
 
 
@@ -305,24 +305,24 @@ def _meta_value(part: Any) -> Any:
 
 def _routed_forward(block: nn.Module, state: BlockState, *args: Any, **kwargs: Any) -> Any:
     values = bind(block, args, dict(kwargs))
-    plan = None
+    rewrite = None
     if values is not None:
         try:
             spec = argument_spec(values)
         except TypeError as e:
-            state.warn(block, f"is called with an argument of type {e} that a plan cannot be keyed on")
+            state.warn(block, f"is called with an argument of type {e} that a rewrite cannot be keyed on")
             spec = None
         if spec is not None:
             if torch.compiler.is_compiling():
-                _plan_while_tracing(id(block), spec)
-                plan = state.traced_plan
+                _rewrite_while_tracing(id(block), spec)
+                rewrite = state.traced_rewrite
             else:
-                plan = _BY_NUMBER[_plan(block, state, spec, values)]
+                rewrite = _BY_NUMBER[_rewrite(block, state, spec, values)]
     else:
         state.warn(block, "is called with arguments its forward's signature does not bind")
-    if plan is None:
+    if rewrite is None:
         return original_class(type(block)).forward(block, *args, **kwargs)
-    return plan(block, block, *values)
+    return rewrite(block, block, *values)
 
 
 _MISSING = object()
@@ -354,7 +354,7 @@ def _tainted(graph: fx.Graph, rows: Set[str]) -> Set[fx.Node]:
     return out
 
 
-def build_plan(block: nn.Module, state: BlockState, values: Sequence[Any]) -> Optional[Callable]:
+def build_rewrite(block: nn.Module, state: BlockState, values: Sequence[Any]) -> Optional[Callable]:
     """The rewritten forward for these arguments (with ``.slots``), or None (timm's forward is
     used)."""
     inputs, metas, rows = _trace_inputs(block, values)

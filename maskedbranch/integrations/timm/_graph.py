@@ -200,7 +200,7 @@ def _attr(block: nn.Module, path: str) -> Any:
 
 
 def _constant(v: Any) -> bool:
-    """A value known at trace time that a plan may bake in: sizes that do not scale with the
+    """A value known at trace time that a rewrite may bake in: sizes that do not scale with the
     batch (a module's ``(out, feat_size)`` output, a window's padding)."""
     if isinstance(v, bool) or v is None or isinstance(v, float):
         return True

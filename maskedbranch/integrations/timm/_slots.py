@@ -64,7 +64,7 @@ def slot_call(
 ) -> Callable:
     """The function that replaces one drop path: ``call(block, base, *inputs)`` for a residual,
     ``call(block, *inputs)`` for the masked form. Shared by every block of one structure
-    (blocks of a model share their plan's code), so it reads the block it is given."""
+    (blocks of a model share their rewrite's code), so it reads the block it is given."""
     dp_path, residual = slot.dp, slot.add is not None
     x_index = slot.inputs.index(slot.base) if residual and slot.base in slot.inputs else None
     row_idx = tuple(i for i, n in enumerate(slot.inputs) if n in tainted and i != x_index)
@@ -136,7 +136,7 @@ def masked(blk, x, branch, p, mode, scale_by_keep, generator, rest, read_params,
         out = torch.zeros((x.shape[0], *output[0]), dtype=output[1], device=x.device)
         return _route.tie_unrun(out, tie, params, (x, *rest))
     table = _structure.Branches([branch], params=[params])
-    return _route.route(table, x, gate, tuple(rest), {}, mode=tie, scale=scale, where="branch", drawn=True)[0]
+    return _route.route(table, x, gate, tuple(rest), {}, _route.Call(tie, scale=scale, where="branch", drawn=True))[0]
 
 
 def check_branches(block: nn.Module, slots: Sequence[_graph.Slot], name: str) -> None:

@@ -12,7 +12,7 @@ Two modes, one tracer:
   (H is concrete, B is a graph value), and the twins tell which tensors are per sample.
   Python control flow on a batch-dependent size still fails: such a block is left to timm.
 
-Non-tensor arguments are specialized (their values are part of the plan's key). Nothing here
+Non-tensor arguments are specialized (their values are part of the rewrite's key). Nothing here
 runs real compute or draws random numbers.
 """
 from __future__ import annotations
