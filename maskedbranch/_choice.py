@@ -382,17 +382,17 @@ def masked(branch: Callable, x: Tensor, kept: Tensor, args: Tuple[Any, ...], sca
 # An int gate, as if/else compiles it.
 
 
-def inline(owner: nn.Module, branches: Sequence[Any], x: Tensor, k: int, mode: Any) -> Optional[Tuple[Tensor, int]]:
+def inline(owner: nn.Module, branches: Sequence[Any], x: Tensor, k: int, tying: Any) -> Optional[Tuple[Tensor, int]]:
     """Under torch.compile, a Python int gate ``k`` (checked) as if/else compiles ``branches[k](x)``:
     the chosen branch inlined in the graph, which Dynamo guards on ``k`` (a graph per choice,
     where if/else has one); -1 gives zeros of the branches' output signature (the caller ties
-    ``x`` in where the mode says). Returns (output, the groups that ran as a bit mask), or None where
+    ``x`` in where the tying says). Returns (output, the groups that ran as a bit mask), or None where
     the call must tie its dead branches' parameters itself (explicit settings, FSDP2, DDP's
     Python reducer) or the signature of -1 is unknown: those take :func:`stacked` / :func:`conds`,
     one graph for every choice. A 0-d tensor gate is that one-graph form. Not under torch.export
     (an exported program keeps no record), nor on torch 2.6, which cannot tell it from a compile."""
     exporting = getattr(torch.compiler, "is_exporting", None)
-    if mode.call_ties is not None or exporting is None or exporting():
+    if tying.call_ties is not None or exporting is None or exporting():
         return None
     _count_int_graph(id(owner))
     if k >= 0:

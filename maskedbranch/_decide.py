@@ -43,7 +43,7 @@ from typing import Any, Dict, Tuple
 from torch import nn
 
 from . import _compat
-from ._unit import Mode
+from ._unit import Tying
 
 LOCAL, DDP_FIND_UNUSED, DDP, DDP_STATIC, PYTHON_REDUCER, FSDP2, EXPLICIT = (
     "local", "ddp-find-unused", "ddp", "ddp-static", "ddp-python-reducer", "fsdp2", "explicit")
@@ -63,13 +63,13 @@ _REFUSED_PYTHON_REDUCER = (
 
 # context -> (auto, zeros, none); a string is the refusal's message
 TABLE: Dict[str, Tuple[Any, Any, Any]] = {
-    LOCAL: (Mode.SKIP, Mode.ZEROS, Mode.NONE),
-    DDP_FIND_UNUSED: (Mode.SKIP, Mode.ZEROS, Mode.NONE),
-    DDP: (Mode.AT_WRAPPER, Mode.ZEROS, Mode.NONE),
-    DDP_STATIC: (Mode.AT_WRAPPER_ZEROS, Mode.ZEROS, _REFUSED_STATIC),
-    PYTHON_REDUCER: (Mode.ALIASES, Mode.ALIASES, _REFUSED_PYTHON_REDUCER),
-    FSDP2: (Mode.ZEROS, Mode.ZEROS, Mode.NONE),
-    EXPLICIT: (Mode.ZEROS, Mode.ZEROS, Mode.NONE),
+    LOCAL: (Tying.SKIP, Tying.ZEROS, Tying.NONE),
+    DDP_FIND_UNUSED: (Tying.SKIP, Tying.ZEROS, Tying.NONE),
+    DDP: (Tying.AT_WRAPPER, Tying.ZEROS, Tying.NONE),
+    DDP_STATIC: (Tying.AT_WRAPPER_ZEROS, Tying.ZEROS, _REFUSED_STATIC),
+    PYTHON_REDUCER: (Tying.ALIASES, Tying.ALIASES, _REFUSED_PYTHON_REDUCER),
+    FSDP2: (Tying.ZEROS, Tying.ZEROS, Tying.NONE),
+    EXPLICIT: (Tying.ZEROS, Tying.ZEROS, Tying.NONE),
 }
 REDUCED = frozenset((DDP, DDP_STATIC, PYTHON_REDUCER, FSDP2, EXPLICIT))
 """Contexts whose wiring reduces the usage of "auto" units and resets what no rank used."""

@@ -9,7 +9,7 @@ from typing import Any, List, Optional, Sequence
 
 from torch import Tensor, nn
 
-from ._unit import Mode, RoutingUnit
+from ._unit import Tying, RoutingUnit
 
 
 class BranchOwner:
@@ -43,14 +43,14 @@ def unit_for(module: nn.Module, where: str) -> RoutingUnit:
     return owner._unit
 
 
-def mode_here(branches: Sequence[Any], where: str) -> Optional[Mode]:
-    """The mode of a functional call with ``materialize_grads="auto"`` (every module branch's
+def tying_here(branches: Sequence[Any], where: str) -> Optional[Tying]:
+    """The tying of a functional call with ``materialize_grads="auto"`` (every module branch's
     unit decides under the same wrapper; None when no branch is a module)."""
-    mode = None
+    tying = None
     for b in branches:
         if isinstance(b, nn.Module):
-            mode = unit_for(b, where).mode_here()
-    return mode
+            tying = unit_for(b, where).tying_here()
+    return tying
 
 
 def record(branches: Sequence[Any], ran: Any, where: str) -> None:

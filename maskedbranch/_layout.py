@@ -93,13 +93,13 @@ class Layout:
         """No unit changed since the layout was made (maskedbranch/_unit.py, ``forget``)."""
         return all(u.version == v for u, v in zip(self.units, self.versions))
 
-    def take(self, wiring: Any, modes: tuple, keep_records: bool = False) -> Tuple[int, int, List[Tensor]]:
+    def take(self, wiring: Any, tyings: tuple, keep_records: bool = False) -> Tuple[int, int, List[Tensor]]:
         """What the forward that just ran on this rank used: (used bits, conditional bits), and
         the parameters the wrapper ties into its outputs. The units' records are cleared (unless
         ``keep_records``: the doctor reads them afterwards).
 
         The parameters to tie: per unit called in the forward and decided for ``wiring`` in one
-        of ``modes``, those of its groups that did not run (less any that a group that ran
+        of ``tyings``, those of its groups that did not run (less any that a group that ran
         shares; compiled units ran every branch in their graph). A unit the forward never called
         is not tied, as a module never called is not: its branches may have been called directly
         (``layer[k](x)``), which its record cannot see. A parameter in two units' dead groups
@@ -135,7 +135,7 @@ class Layout:
                     inner |= at
             used |= entry[0] & ~inner
             cond |= entry[1] & ~inner
-            if entry[2] and u.wiring is wiring and u.mode in modes and not u.traced:
+            if entry[2] and u.wiring is wiring and u.tying in tyings and not u.traced:
                 dead.extend(entry[2])
         return used & self.resettable, cond & self.resettable & ~used, dead
 

@@ -20,7 +20,7 @@ from ._args import check_per_row_devices, route_args
 from ._gate import INT_DTYPES, check_output, normalize_gate
 from ._signatures import Signatures, _dead_output_signature, check_agreement, learn_signature, traced_signature
 from ._structure import Branches, module_of
-from ._unit import Mode
+from ._unit import Tying
 
 # ----------------------------------------------------------------------------------------------
 # The routing path.
@@ -34,7 +34,7 @@ def _rows_of(t: Tensor, plan: _ops.Plan) -> List[Tensor]:
 
 
 def _tied(table: Branches, live_mask: int, zeros: Optional[bool]) -> Tuple[Tensor, ...]:
-    """The tensors a call ties into its output (``zeros``: the mode's ``call_ties``): the dead
+    """The tensors a call ties into its output (``zeros``: the tying's ``call_ties``): the dead
     branches' parameters that require grad."""
     if zeros is None or not torch.is_grad_enabled():
         return ()
@@ -48,14 +48,14 @@ def _tied(table: Branches, live_mask: int, zeros: Optional[bool]) -> Tuple[Tenso
 _PYTHON_REDUCER_TORCH = "2.13"  # tested on 2.13 and 2.14.1; on 2.6 the compiled backward differs from eager
 
 
-def _aliases(table: Branches, x: Tensor, mode: Mode, where: str):
-    """Under DDP's Python reducer (``Mode.ALIASES``, maskedbranch/_decide.py) the branches run on
+def _aliases(table: Branches, x: Tensor, tying: Tying, where: str):
+    """Under DDP's Python reducer (``Tying.ALIASES``, maskedbranch/_decide.py) the branches run on
     aliases of ``x`` and of every branch parameter, made by one node (``_autograd.Alias``): each
     parameter's gradient then leaves the graph there, after the branches' backward, in the same
     order on every rank (zeros for the branches that did not run). Returns (x for the branches,
     {id(parameter): alias} or None, what the call's own tie gives: nothing once aliased)."""
-    if mode is not Mode.ALIASES or not torch.is_grad_enabled():
-        return x, None, mode.call_ties
+    if tying is not Tying.ALIASES or not torch.is_grad_enabled():
+        return x, None, tying.call_ties
     for i, (branch, params) in enumerate(zip(table.branches, table.params)):
         if params and not module_of(branch)[1]:
             raise RuntimeError(
@@ -105,9 +105,9 @@ def _common_dtype(ys: Sequence[Tensor], base: Optional[Tensor]) -> torch.dtype:
 
 
 class Call(NamedTuple):
-    """A routed call's settings beside its inputs. ``mode`` (the calling unit's,
+    """A routed call's settings beside its inputs. ``tying`` (the calling unit's,
     maskedbranch/_unit.py) says whether the call ties the parameters of the branches that did
-    not run (``mode.call_ties``: None no, False with undefined gradients, True with zeros) or runs
+    not run (``tying.call_ties``: None no, False with undefined gradients, True with zeros) or runs
     them on aliases; ``base`` and ``scale`` as in :func:`route`; ``signatures``: the unit's
     learned output signatures; ``where``: the name in messages; ``wiring``: the unit's wiring,
     when a call must launch the reduction of a forward that its wrapper's hooks missed;
@@ -115,7 +115,7 @@ class Call(NamedTuple):
     compiled, its padded plan is made from it directly, without the plan that checks a user's
     gate (a plan op and its data-dependent sizes fewer per call: each costs compile time)."""
 
-    mode: Mode = Mode.SKIP
+    tying: Tying = Tying.SKIP
     base: Optional[Tensor] = None
     scale: Any = 1.0
     signatures: Optional[Signatures] = None
@@ -155,10 +155,11 @@ def route(table: Branches, x: Tensor, gate: Any, args: Tuple[Any, ...] = (), kwa
         out, ran = _routed(table, x, planned, args, kwargs, call, compiling)
     elif k >= 0:  # an int gate returns what its branch returns, as if/else does: nothing learned
         signatures = None if kind == "int" else call.signatures
-        out, ran = _one_branch(table, x, k, args, kwargs, call.mode, call.base, call.scale, call.where, signatures), 1 << k
+        out = _one_branch(table, x, k, args, kwargs, call.tying, call.base, call.scale, call.where, signatures)
+        ran = 1 << k
     else:
-        out, ran = _no_branch(table, x, gate, args, kwargs, call.mode, call.base, call.signatures, call.where), 0
-    return (out if compiling else _fallback_hook(out, call.mode, call.wiring)), ran
+        out, ran = _no_branch(table, x, gate, args, kwargs, call.tying, call.base, call.signatures, call.where), 0
+    return (out if compiling else _fallback_hook(out, call.tying, call.wiring)), ran
 
 
 def _plan(gate: Tensor, n: int, x: Tensor, drawn: bool, compiling: bool) -> tuple:
@@ -186,7 +187,7 @@ def _whole_batch(planned: tuple, batch: int) -> Optional[int]:
 def _routed(table: Branches, x: Tensor, planned: tuple, args, kwargs, call: Call, compiling: bool) -> Tuple[Tensor, Any]:
     """Gather each branch's rows, run the branches that have rows, combine: (out, what ran)."""
     plan, weights, ran, offsets = planned
-    x_in, aliases, zeros = _aliases(table, x, call.mode, call.where)
+    x_in, aliases, zeros = _aliases(table, x, call.tying, call.where)
     live, carried = _run_on_rows(table, x_in, aliases, plan, args, kwargs, call.where, compiling)
     check_agreement(table, live, x, args, kwargs, None if compiling else call.signatures, call.where)
     if compiling:
@@ -238,10 +239,10 @@ def _combine(live: Dict[int, Tensor], n: int, plan: _ops.Plan, weights: Optional
     return _autograd.combine(ys, plan, weights=weights, base=base, tied=tied, zeros=bool(zeros))
 
 
-def _fallback_hook(out: Tensor, mode: Mode, wiring: Any) -> Tensor:
+def _fallback_hook(out: Tensor, tying: Tying, wiring: Any) -> Tensor:
     """A call of a forward whose wrapper was wired during it (its forward hook does not run):
     the reduction of that forward starts from the backward (maskedbranch/_wiring.py)."""
-    if wiring is not None and mode.call_ties is not None and getattr(wiring, "needs_first", False):
+    if wiring is not None and tying.call_ties is not None and getattr(wiring, "needs_first", False):
         wiring.first_forward_hook(out)
     return out
 
@@ -263,13 +264,13 @@ def whole_batch_gate(gate: Any, x: Tensor, n: int) -> Optional[Tuple[Tensor, Any
 
 
 def choose(owner: Any, branches: Sequence[Any], x: Tensor, gate: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
-           mode: Mode) -> Optional[Tuple[Tensor, Tensor]]:
+           tying: Tying) -> Optional[Tuple[Tensor, Tensor]]:
     """A compiled whole-batch choice of ``owner``'s ``branches`` (MaskedBranch): (output, which
     branches ran as a bool tensor [N]), or None where the routed rows run instead (other gates,
     extra arguments, DDP's Python reducer, torch.export, a form that does not apply). It needs
     no branch table: building one reads every branch's parameters, which Dynamo traced at every
     call (a third of a 6 x 4 conv supernet's traced instructions)."""
-    if args or kwargs or mode is Mode.ALIASES or _exporting() or not hasattr(torch.compiler, "is_exporting"):
+    if args or kwargs or tying is Tying.ALIASES or _exporting() or not hasattr(torch.compiler, "is_exporting"):
         return None  # (torch 2.6 cannot tell an export from a compile: the routed rows, right in both)
     n = len(branches)
     found = whole_batch_gate(gate, x, n)
@@ -330,7 +331,7 @@ def drop_rows(branch: Callable, module: Optional[Any], x: Tensor, keep: Tensor, 
     ``base + scale * keep * y`` scattered back. ``module``: the module ``branch`` runs when it is
     one (its buffers are carried, as in :func:`_run`; ``branch`` then has the residual's output
     check), else None. Returns the output and whether the branch ran (a bool tensor ``[1]``).
-    Not for DDP's Python reducer (``Mode.ALIASES``), which takes :func:`route`."""
+    Not for DDP's Python reducer (``Tying.ALIASES``), which takes :func:`route`."""
     batch = x.shape[0]
     live = keep != 0
     ran = live.any()
@@ -388,11 +389,11 @@ class _Parts:
         self.parts = parts
 
 
-def _one_branch(table, x, k, args, kwargs, mode: Mode, base, scale, where, signatures=None) -> Tensor:
-    """The whole batch through branch k, on x itself, then the call's tie (a copy, when the
-    mode ties dead parameters per call)."""
+def _one_branch(table, x, k, args, kwargs, tying: Tying, base, scale, where, signatures=None) -> Tensor:
+    """The whole batch through branch k, on x itself, then the call's tie (a copy, when
+    ``tying`` ties dead parameters per call)."""
     label = f"{where}[{k}]" if where == "branches" else where
-    x_in, aliases, zeros = _aliases(table, x, mode, where)
+    x_in, aliases, zeros = _aliases(table, x, tying, where)
     y = _run(table, k, aliases, x_in, args, kwargs)
     tied = _tied(table, 1 << k, zeros)
     if signatures is not None or base is not None or scale != 1.0 or tied:
@@ -409,37 +410,37 @@ def _one_branch(table, x, k, args, kwargs, mode: Mode, base, scale, where, signa
     return _autograd.tie(y, tied, bool(zeros)) if tied else y
 
 
-def _no_branch(table, x, gate, args, kwargs, mode: Mode, base, signatures, where) -> Tensor:
+def _no_branch(table, x, gate, args, kwargs, tying: Tying, base, signatures, where) -> Tensor:
     """No row reaches any branch: ``base`` (or zeros shaped like the branches' output), with what
     did not run tied in (:func:`tie_unrun`): x, the gate's weights and the tensor arguments, and
-    every parameter when the mode ties per call."""
+    every parameter when ``tying`` ties per call."""
     if base is not None:
         out = base
     else:
         trailing, dtype = _dead_output_signature(table, signatures, x, args, kwargs, where)
         out = torch.zeros((x.shape[0], *trailing), dtype=dtype, device=x.device)
     inputs = ((x,) if base is None else ()) + (gate, *args, *kwargs.values())
-    out = tie_unrun(out, mode, _tied(table, 0, mode.call_ties), inputs)
+    out = tie_unrun(out, tying, _tied(table, 0, tying.call_ties), inputs)
     return base.clone() if out is base else out
 
 
-def tie_unrun(out: Tensor, mode: Mode, params: Sequence[Tensor] = (), inputs: Sequence[Any] = ()) -> Tensor:
-    """``out`` with what a skipped computation would have used tied in, as ``mode`` says (every
+def tie_unrun(out: Tensor, tying: Tying, params: Sequence[Tensor] = (), inputs: Sequence[Any] = ()) -> Tensor:
+    """``out`` with what a skipped computation would have used tied in, as ``tying`` says (every
     routing module and integration ties what did not run through here):
 
     * ``params``, the parameters of what did not run, by the call's own tie
-      (``mode.call_ties``: not at all under ``SKIP`` and the wrapper modes);
+      (``tying.call_ties``: not at all under ``SKIP`` and the ``AT_WRAPPER`` tyings);
     * ``inputs``, the tensors it would have read (x, a gate's weights, an encoder's output),
-      whenever the mode ties at all, so that whatever produced them (a router) is reached on
+      whenever ``tying`` ties at all, so that whatever produced them (a router) is reached on
       every rank: with no gradient, as in the if/else code, unless zeros are asked for, and
       zeros (exact: ``out`` does not depend on them) while compiled autograd traces, which
       cannot add an undefined gradient to a tensor's other ones."""
-    if not torch.is_grad_enabled() or not mode.ties_inputs:
+    if not torch.is_grad_enabled() or not tying.ties_inputs:
         return out
-    zeros = mode.call_ties
+    zeros = tying.call_ties
     params = [p for p in params if p.requires_grad] if zeros is not None else []
     inputs = [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
-    input_zeros = True if zeros or mode is Mode.AT_WRAPPER_ZEROS else _autograd.ZEROS_WHEN_COMPILED
+    input_zeros = True if zeros or tying is Tying.AT_WRAPPER_ZEROS else _autograd.ZEROS_WHEN_COMPILED
     if inputs and params and input_zeros is zeros:
         return _autograd.tie(out, params + inputs, zeros)
     if inputs:

@@ -4,7 +4,7 @@ Every routing module (``MaskedBranch``, ``ResidualDropPath``, a LayerDrop list, 
 block, the record of the functional forms) owns one unit, which holds
 
 * what the parameters of its branches that did not run receive, decided once per data-parallel
-  wrapper it runs under (:class:`Mode`, :meth:`RoutingUnit.mode_here`);
+  wrapper it runs under (:class:`Tying`, :meth:`RoutingUnit.tying_here`);
 * its usage record: which of its *groups* (bit i: group i, a branch, a layer) ran since the
   record was last taken;
 * its branch table, the output signatures of its branches and the compiled form of a
@@ -37,7 +37,7 @@ from . import _compat
 _MIN_SLOTS = 64  # seen's size at least: groups appended later rarely need a new tensor
 
 
-class Mode(enum.IntEnum):
+class Tying(enum.IntEnum):
     """What the parameters of a unit's branches that did not run receive, and where they are tied
     into the autograd graph (docs/design.md, "The decision table")."""
 
@@ -69,11 +69,11 @@ class Mode(enum.IntEnum):
     def ties_inputs(self) -> bool:
         """Whether a call where no row reaches any branch ties its inputs (x, the gate's weights)
         into its output, so that whatever produced them (a router) is reached on every rank."""
-        return self is not Mode.SKIP
+        return self is not Tying.SKIP
 
 
-_CALL_TIES = {Mode.SKIP: None, Mode.AT_WRAPPER: None, Mode.AT_WRAPPER_ZEROS: None,
-              Mode.NONE: False, Mode.ZEROS: True, Mode.ALIASES: True}
+_CALL_TIES = {Tying.SKIP: None, Tying.AT_WRAPPER: None, Tying.AT_WRAPPER_ZEROS: None,
+              Tying.NONE: False, Tying.ZEROS: True, Tying.ALIASES: True}
 
 
 _SPELLINGS = {"auto": None, "zeros": True, "none": False}
@@ -107,9 +107,9 @@ running: List[Any] = []
 class StandIn:
     """A wrapper simulated in one process (maskedbranch/doctor/simulate.py): pushed on
     ``running`` as a wrapper's forward would be, it decides for the units that run under it
-    (``decide_for(unit) -> Mode``) and is alive while it is pushed."""
+    (``decide_for(unit) -> Tying``) and is alive while it is pushed."""
 
-    def decide_for(self, unit: RoutingUnit) -> Mode:
+    def decide_for(self, unit: RoutingUnit) -> Tying:
         raise NotImplementedError
 
     def alive(self) -> bool:
@@ -129,20 +129,20 @@ def distributed() -> bool:
 # The seam to the data-parallel layer.
 
 
-def _decide_alone(unit: "RoutingUnit", wrapper: Any) -> Mode:
+def _decide_alone(unit: "RoutingUnit", wrapper: Any) -> Tying:
     """Without the data-parallel layer (never the case once maskedbranch is imported)."""
-    unit.settle(None, 0, (Mode.SKIP, Mode.ZEROS, Mode.NONE))
-    return unit.mode
+    unit.settle(None, 0, (Tying.SKIP, Tying.ZEROS, Tying.NONE))
+    return unit.tying
 
 
 class _DataParallelLayer:
-    """What the data-parallel layer plugs in when it is imported: ``decide(unit, wrapper) -> Mode``
+    """What the data-parallel layer plugs in when it is imported: ``decide(unit, wrapper) -> Tying``
     (decides, wires the wrapper, settles the unit; maskedbranch/_wiring.py), ``created(unit)`` (a
     unit exists) and ``needed()`` (something now needs the optimizer step pre-hook: a wrapper was
     wired, or a graph that gives dead branches zeros was compiled; maskedbranch/unused_grads.py).
     A model that runs in one process, eagerly, under no wrapper needs nothing process-wide."""
 
-    decide: Callable[["RoutingUnit", Any], Mode] = staticmethod(_decide_alone)
+    decide: Callable[["RoutingUnit", Any], Tying] = staticmethod(_decide_alone)
     created: Callable[["RoutingUnit"], None] = staticmethod(lambda unit: None)
     needed: Callable[[], None] = staticmethod(lambda: None)
 
@@ -165,7 +165,7 @@ class RoutingUnit:
 
     __slots__ = (
         "owner", "where", "materialize",
-        "wrapper_id", "mode", "row", "wiring", "probe", "version",
+        "wrapper_id", "tying", "row", "wiring", "probe", "version",
         "bits", "called", "cond", "held", "seen", "traced",
         "table", "signatures", "choice", "int_graphs", "__weakref__",
     )
@@ -175,8 +175,8 @@ class RoutingUnit:
         self.where = where
         self.materialize = materialize
         self.wrapper_id = 0
-        self.mode: Optional[Mode] = None  # None: not decided (the next call decides)
-        self.row: tuple = ()  # the decided modes for "auto", "zeros", "none" (a str: refused)
+        self.tying: Optional[Tying] = None  # None: not decided (the next call decides)
+        self.row: tuple = ()  # the decided tyings for "auto", "zeros", "none" (a str: refused)
         self.wiring: Any = None  # the wiring of the wrapper decided for (maskedbranch/_wiring.py)
         self.probe: Optional[Tuple[dict, str, Any]] = None
         self.version = 0  # advanced by every change of the owner: a wiring's layout of it is stale
@@ -196,43 +196,43 @@ class RoutingUnit:
 
     # -- the decision ----------------------------------------------------------------------------
 
-    def mode_here(self) -> Mode:
-        """The mode of this call: the decided one while the call runs under the wrapper decided
+    def tying_here(self) -> Tying:
+        """The tying of this call: the decided one while the call runs under the wrapper decided
         for, or under none (one process; a call outside the wrapper's forward, such as a
         checkpoint's recomputation in the backward, keeps the decision of a live wrapper); else
         decided now. A parameter of the owner replaced since (``fully_shard`` puts its own in)
         decides again."""
         w = running[-1] if running else _compat.active_ddp()
-        mode = self.mode
+        tying = self.tying
         if w is None:
-            if mode is not None and (self.wiring is None or self.wiring.alive()):
+            if tying is not None and (self.wiring is None or self.wiring.alive()):
                 probe = self.probe
                 if probe is None or probe[0].get(probe[1]) is probe[2]:
-                    return mode
-        elif self.wrapper_id == id(w) and mode is not None:
-            return mode
+                    return tying
+        elif self.wrapper_id == id(w) and tying is not None:
+            return tying
         return DATA_PARALLEL.decide(self, w)
 
     def settle(self, wiring: Any, wrapper_id: int, row: tuple) -> None:
-        """Store a decision of the data-parallel layer: ``row``, the modes for each
+        """Store a decision of the data-parallel layer: ``row``, the tyings for each
         ``materialize_grads`` setting ("auto", "zeros", "none"; a string is a refusal's
         message), of which the unit's own setting picks one; and what shows a later change."""
-        self.mode = None
-        mode = mode_in(row, self.materialize, self.where)
-        self.wiring, self.wrapper_id, self.row, self.mode = wiring, wrapper_id, row, mode
+        self.tying = None
+        tying = tying_in(row, self.materialize, self.where)
+        self.wiring, self.wrapper_id, self.row, self.tying = wiring, wrapper_id, row, tying
         self.probe = _probe_of(self.owner())
 
-    def mode_for(self, materialize: Optional[bool]) -> Mode:
-        """The mode for another setting under the same decision (a functional call's own
-        ``materialize_grads``), after :meth:`mode_here`."""
-        return mode_in(self.row, materialize, self.where)
+    def tying_for(self, materialize: Optional[bool]) -> Tying:
+        """The tying for another setting under the same decision (a functional call's own
+        ``materialize_grads``), after :meth:`tying_here`."""
+        return tying_in(self.row, materialize, self.where)
 
     def forget(self) -> None:
         """The owner changed (a branch added or replaced, ``.to()``, ``load_state_dict``, a
         LayerDrop owner's parameters became a group), or the wrapper decided for is gone: decide
         again at the next call, with a new branch table; a wiring's layout of the unit is stale."""
         self.wiring = None
-        self.mode = None
+        self.tying = None
         self.table = None
         self.choice = None
         self.version += 1
@@ -348,10 +348,10 @@ def _probe_of(owner: Any) -> Optional[Tuple[dict, str, Any]]:
     return None
 
 
-_MODES = tuple(Mode)
+_TYINGS = tuple(Tying)
 
 
-def mode_in(row: tuple, materialize: Optional[bool], where: str) -> Mode:
+def tying_in(row: tuple, materialize: Optional[bool], where: str) -> Tying:
     entry = row[0 if materialize is None else 1 if materialize else 2]
     if isinstance(entry, str):
         raise RuntimeError(f"{where}: {entry}")
@@ -359,23 +359,23 @@ def mode_in(row: tuple, materialize: Optional[bool], where: str) -> Mode:
 
 
 @torch.compiler.assume_constant_result
-def _mode_while_tracing(key: int, wrapper_key: Optional[int]) -> int:
-    """:meth:`RoutingUnit.mode_here` run for real while torch.compile traces, once per graph
+def _tying_while_tracing(key: int, wrapper_key: Optional[int]) -> int:
+    """:meth:`RoutingUnit.tying_here` run for real while torch.compile traces, once per graph
     (modules are passed by id: torch 2.6 takes only constants here). The wrapper whose forward
     runs is read in the traced code, so that another wrapper's forward makes another graph. A
     module copied without its state (torch.export's own copies) was never noted: compiled
     graphs hold every branch, so only a wrapper's aliases would have needed its decision."""
     owner = module_by_id(key)
     if owner is None:
-        return int(Mode.SKIP)
+        return int(Tying.SKIP)
     DATA_PARALLEL.needed()  # the graph gives dead branches zeros: the step resets them
-    return int(owner._unit.mode_here())
+    return int(owner._unit.tying_here())
 
 
-def traced_mode(owner: nn.Module) -> Mode:
-    """The mode of ``owner``'s unit inside a compiled graph: a constant of the graph."""
+def traced_tying(owner: nn.Module) -> Tying:
+    """The tying of ``owner``'s unit inside a compiled graph: a constant of the graph."""
     w = current_wrapper()
-    return _MODES[_mode_while_tracing(id(owner), None if w is None else id(w))]
+    return _TYINGS[_tying_while_tracing(id(owner), None if w is None else id(w))]
 
 
 def forget_all(units: Any) -> None:

@@ -42,15 +42,15 @@ from torch import Tensor, nn
 
 from . import _autograd, _compat, _decide, _unit
 from ._layout import Layout, cpu_group, mesh_group, positions, tensors
-from ._unit import Mode, RoutingUnit
+from ._unit import Tying, RoutingUnit
 
 _MAX_PENDING = 8  # forwards whose reduction stays unmerged before a backward or step merges them
 
 _wirings: "weakref.WeakKeyDictionary[nn.Module, Wiring]" = weakref.WeakKeyDictionary()
 version = [0]  # bumped when a wiring or a layout changes: the step hook's per-optimizer lists
 
-AT_WRAPPER_MODES = (Mode.AT_WRAPPER, Mode.AT_WRAPPER_ZEROS)
-_PER_CALL = {Mode.AT_WRAPPER: Mode.NONE, Mode.AT_WRAPPER_ZEROS: Mode.ZEROS}
+TIED_AT_WRAPPER = (Tying.AT_WRAPPER, Tying.AT_WRAPPER_ZEROS)
+_PER_CALL = {Tying.AT_WRAPPER: Tying.NONE, Tying.AT_WRAPPER_ZEROS: Tying.ZEROS}
 
 
 def wiring_for(wrapper: nn.Module, explicit_kind: bool = False, process_group: Any = None, *, before_forward: bool = False) -> "Wiring":
@@ -81,8 +81,8 @@ def _root_of(wrapper: nn.Module) -> nn.Module:
 # The decision, plugged into the routing (maskedbranch/_unit.py).
 
 
-def decide(unit: RoutingUnit, wrapper: Any) -> Mode:
-    """Decide ``unit``'s mode under ``wrapper`` (None: no wired wrapper's forward runs), store
+def decide(unit: RoutingUnit, wrapper: Any) -> Tying:
+    """Decide ``unit``'s tying under ``wrapper`` (None: no wired wrapper's forward runs), store
     it in the unit, and wire the wrapper if it is not yet."""
     if wrapper is None and _unit.distributed():
         wrapper = _compat.wrapper_on_stack()
@@ -91,7 +91,7 @@ def decide(unit: RoutingUnit, wrapper: Any) -> Mode:
     if wrapper is None:
         unit.check_skippable()
         unit.settle(None, 0, _decide.TABLE[_decide.LOCAL])
-        return unit.mode
+        return unit.tying
     return wiring_for(wrapper).decide(unit)
 
 
@@ -150,7 +150,7 @@ class Wiring:
             self.context = _decide.context_of(self.ref(), self.explicit_kind)
         return self.context
 
-    def decide(self, unit: RoutingUnit) -> Mode:
+    def decide(self, unit: RoutingUnit) -> Tying:
         context = self.context_now()
         row = _decide.TABLE[context]
         if self.tied_per_call:
@@ -166,7 +166,7 @@ class Wiring:
                     self.layout = None
             elif self.layout is not None and unit not in self.layout.unit_set:
                 self.layout = None
-        return unit.mode
+        return unit.tying
 
     def reduces(self) -> bool:
         return self.context_now() in _decide.REDUCED
@@ -268,7 +268,7 @@ class Wiring:
                 "every rank the same number of batches."
             )
         layout = self.layout
-        used, cond, dead = layout.take(self, AT_WRAPPER_MODES)
+        used, cond, dead = layout.take(self, TIED_AT_WRAPPER)
         nb = layout.nbytes
         buf = bytearray(used.to_bytes(nb, "little") + cond.to_bytes(nb, "little"))
         if dist.is_available() and dist.is_initialized() and nb:

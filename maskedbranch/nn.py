@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from . import _choice, _compat, _functional, _gate, _route, _structure, _traced, _unit
 from ._signatures import Signatures
-from ._unit import Mode, materialize, materialize_name
+from ._unit import Tying, materialize, materialize_name
 
 __all__ = ["MaskedBranch", "masked_branch"]
 
@@ -142,8 +142,8 @@ class MaskedBranch(_structure.RoutingModuleList):
         unit = self._unit
         if type(gate) is int and not args and not kwargs and not torch.compiler.is_compiling():
             # The per-batch int gate: the chosen branch, as if/else calls it, and the record;
-            # the parameters of the others are tied by the wrapper, if at all (Mode).
-            if unit.mode_here().call_ties is None and 0 <= gate < len(self._modules):
+            # the parameters of the others are tied by the wrapper, if at all (Tying).
+            if unit.tying_here().call_ties is None and 0 <= gate < len(self._modules):
                 y = self._branch_at(gate)(x)
                 unit.bits |= 1 << gate
                 return y
@@ -151,22 +151,23 @@ class MaskedBranch(_structure.RoutingModuleList):
             return _traced.route_traced(list(self._modules.values()), x, gate, args, kwargs)
         _gate.check_x(x)
         compiling = torch.compiler.is_compiling()
-        mode = _unit.traced_mode(self) if compiling else unit.mode_here()
+        tying = _unit.traced_tying(self) if compiling else unit.tying_here()
         if unit.signatures is None and not compiling:
             unit.signatures = Signatures()
         if compiling:
             if type(gate) is int and not args and not kwargs:  # as if/else compiles it: a graph per choice
                 _gate.normalize_gate(gate, x, len(self._modules))  # a bad id fails as in eager mode
-                inlined = _choice.inline(self, list(self._modules.values()), x, gate, mode)
+                inlined = _choice.inline(self, list(self._modules.values()), x, gate, tying)
                 if inlined is not None:
                     out, ran = inlined
                     _route.record(unit, ran)
-                    return out if ran else _route.tie_unrun(out, mode, inputs=(x,))
-            chosen = _route.choose(self, list(self._modules.values()), x, gate, args, kwargs, mode)
+                    return out if ran else _route.tie_unrun(out, tying, inputs=(x,))
+            chosen = _route.choose(self, list(self._modules.values()), x, gate, args, kwargs, tying)
             if chosen is not None:  # an int or 0-d gate: the chosen branch alone, in one graph
                 _route.record(unit, chosen[1])
                 return chosen[0]
-        call = _route.Call(mode, signatures=None if compiling else unit.signatures, wiring=None if compiling else unit.wiring)
+        call = _route.Call(tying, signatures=None if compiling else unit.signatures,
+                           wiring=None if compiling else unit.wiring)
         out, ran = _route.route(self._branches(), x, gate, args, kwargs, call)
         _route.record(unit, ran)
         return out
@@ -215,10 +216,11 @@ def masked_branch(branches: Sequence[Callable], x: Tensor, gate: Any, *args: Any
     _gate.check_x(x)
     _structure.check_skippable(branch_list, "branches")
     compiling = torch.compiler.is_compiling()
-    mode = Mode.SKIP if compiling else _functional.mode_here(branch_list, "masked_branch")  # compiled: every branch in the graph
-    if mode is None:  # no module branch (no parameters to tie): a router's output is tied under a wrapper
+    # compiled: every branch in the graph
+    tying = Tying.SKIP if compiling else _functional.tying_here(branch_list, "masked_branch")
+    if tying is None:  # no module branch (no parameters to tie): a router's output is tied under a wrapper
         local = _unit.current_wrapper() is None and not _unit.distributed()
-        mode = Mode.SKIP if local else Mode.NONE
-    out, ran = _route.route(_structure.Branches(branch_list), x, gate, args, kwargs, _route.Call(mode))
+        tying = Tying.SKIP if local else Tying.NONE
+    out, ran = _route.route(_structure.Branches(branch_list), x, gate, args, kwargs, _route.Call(tying))
     _functional.record(branch_list, ran, "masked_branch")
     return out

@@ -35,7 +35,7 @@ from ._drop_args import (
     refuse_positional,
     training_flag,
 )
-from ._unit import Mode, materialize, materialize_name
+from ._unit import Tying, materialize, materialize_name
 from .drop_path import DropPath, _drop, _drop_path
 
 __all__ = ["drop_add_residual", "ResidualDropPath"]
@@ -68,9 +68,9 @@ def _fixed(x: Tensor, branch: Callable, args, kwargs, keep_prob: float, scale_by
 def _residual(
     x: Tensor, table: _structure.Branches, args: Tuple[Any, ...], kwargs: Dict[str, Any], drop_prob: Any,
     training: bool, mode: str, scale_by_keep: bool, generator: Optional[torch.Generator], kept: str,
-    tie: Callable[[], Mode], wiring: Any = None, stateless: Optional[bool] = None,
+    tie: Callable[[], Tying], wiring: Any = None, stateless: Optional[bool] = None,
 ) -> Tuple[Tensor, Any]:
-    """The output, and which groups ran (for the unit's record). ``tie()``: the unit's mode
+    """The output, and which groups ran (for the unit's record). ``tie()``: the unit's tying
     (maskedbranch/_unit.py), asked once the call routes."""
     if drop_prob == 0.0 or not training or isinstance(x, torch.fx.Proxy):
         # Nothing dropped, or symbolic tracing (which cannot follow data-dependent routing): the
@@ -101,7 +101,7 @@ _ROWS, _COND, _DENSE = 0, 1, 2
 
 def dispatch(branch: _structure.CheckedBranch, x: Tensor, base: Optional[Tensor], args: Tuple[Any, ...],
              kwargs: Dict[str, Any], drop_prob: Any, mode: str, scale_by_keep: bool,
-             generator: Optional[torch.Generator], dtype: torch.dtype, tie: Callable[[], Mode],
+             generator: Optional[torch.Generator], dtype: torch.dtype, tie: Callable[[], Tying],
              stateless: Optional[bool], signature: Optional[Tuple[tuple, torch.dtype]] = None,
              ) -> Tuple[Optional[Tensor], Any, Any, Any]:
     """One drop path's draw and, compiled, its computation: the one dispatch of the residual forms
@@ -135,13 +135,13 @@ def dispatch(branch: _structure.CheckedBranch, x: Tensor, base: Optional[Tensor]
             return _choice.masked(fn, x, kept, tuple(args), scale, signature), kept.reshape(1), None, None
         return _choice.residual(fn, module, x, kept, args, kwargs, scale, branch.check), kept.reshape(1), None, None
     keep = keep if mode == "row" else keep.expand(x.shape[0])
-    if tie() is not Mode.ALIASES:
+    if tie() is not Tying.ALIASES:
         out, ran = _route.drop_rows(run, module, x, keep, scale, tuple(args), kwargs, base, "branch")
         return out, ran, None, None
     return None, None, keep.to(torch.int64) - 1, scale
 
 
-def compiled_form(mode: str, tie: Callable[[], Mode], branch: Any, stateless: Optional[bool], module: bool) -> int:
+def compiled_form(mode: str, tie: Callable[[], Tying], branch: Any, stateless: Optional[bool], module: bool) -> int:
     """How a drop path computes in a compiled graph:
 
     * ``_COND``: "batch" mode, one ``torch.cond`` that runs the branch or not (torch >= 2.13; a
@@ -157,7 +157,7 @@ def compiled_form(mode: str, tie: Callable[[], Mode], branch: Any, stateless: Op
 
     ``module``: whether ``branch`` is a module (known to the caller)."""
     if mode == "batch" and (module or stateless is True) and _choice.cond_available() and not _route._exporting():
-        if tie() is not Mode.ALIASES:
+        if tie() is not Tying.ALIASES:
             return _COND
     if (module and _batch_state(branch)) or stateless is False or rows_captured():
         return _ROWS
@@ -258,11 +258,11 @@ def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, a
         return tuple(read_params()) if read_params is not None else _branch_params(branch, params)
 
     if torch.compiler.is_compiling():
-        # Every branch is in the graph: only DDP's Python reducer needs the mode and the
+        # Every branch is in the graph: only DDP's Python reducer needs the tying and the
         # parameters (aliases). Not read otherwise: Dynamo would trace the module walk per call.
-        traced = _unit.traced_mode(owner) if owner is not None else Mode.SKIP
+        traced = _unit.traced_tying(owner) if owner is not None else Tying.SKIP
         table = _structure.Branches([_structure.CheckedBranch(branch, module)],
-                                    params=[branch_params() if traced is Mode.ALIASES else ()])
+                                    params=[branch_params() if traced is Tying.ALIASES else ()])
         return _residual(x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
                          kept, lambda: traced, stateless=stateless)[0]
     table = _structure.Branches([_structure.CheckedBranch(branch, module)], params=[branch_params()])
@@ -271,9 +271,9 @@ def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, a
     else:
         unit = _functional.unit_for(branch, "drop_add_residual") if module else _functional.FUNCTIONS
 
-    def tie() -> Mode:
-        unit.mode_here()
-        return unit.mode_for(materialize_grads)
+    def tie() -> Tying:
+        unit.tying_here()
+        return unit.tying_for(materialize_grads)
 
     out, ran = _residual(x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
                          kept, tie, unit.wiring)
@@ -364,8 +364,8 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
                 unit.table = table
         return table
 
-    def _tie(self) -> Mode:
-        return _unit.traced_mode(self) if torch.compiler.is_compiling() else self._unit.mode_here()
+    def _tie(self) -> Tying:
+        return _unit.traced_tying(self) if torch.compiler.is_compiling() else self._unit.tying_here()
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         p = check_drop_prob(self.drop_prob)

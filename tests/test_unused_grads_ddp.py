@@ -426,11 +426,11 @@ def per_call_path(rank, group):
                 opt.zero_grad()
                 m(x, (step + rank) % 3).square().mean().backward()
                 opt.step()
-        modes = {m._unit.mode.name for m in model.modules() if hasattr(m, "_unit")}
+        tyings = {m._unit.tying.name for m in model.modules() if hasattr(m, "_unit")}
         w, nm = state_diff(training_state(model.module), training_state(ifelse.module))
     finally:
         _route.route, _unit.DATA_PARALLEL.decide = route, staticmethod(decide)
-    return {**counts, "modes": sorted(modes), "worst": w, "none_mismatch": nm}
+    return {**counts, "tyings": sorted(tyings), "worst": w, "none_mismatch": nm}
 
 
 CASES = {
@@ -516,5 +516,5 @@ def test_no_sync_replicas_stay_equal(ranks, case):
 
 def test_int_gate_under_ddp_calls_the_branch_and_decides_once(ranks):
     for r, res in enumerate(results_of(ranks, "per_call_path")):
-        assert res["route"] == 0 and res["decide"] == 1 and res["modes"] == ["AT_WRAPPER"], (r, res)
+        assert res["route"] == 0 and res["decide"] == 1 and res["tyings"] == ["AT_WRAPPER"], (r, res)
         assert res["worst"] < 1e-10 and not res["none_mismatch"], (r, res)

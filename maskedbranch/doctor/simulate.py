@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator
 from torch import nn
 
 from .. import _autograd, _decide, _layout, _unit, _wiring
-from .._unit import Mode, RoutingUnit
+from .._unit import Tying, RoutingUnit
 
 
 class Simulated(_unit.StandIn):
@@ -23,12 +23,12 @@ class Simulated(_unit.StandIn):
         self.root = root
         self.units = _Decided()
 
-    def decide_for(self, unit: RoutingUnit) -> Mode:
+    def decide_for(self, unit: RoutingUnit) -> Tying:
         """As under DDP without static_graph (its C++ reducer): the wrapper ties the dead groups."""
         unit.check_skippable()
         unit.settle(self, id(self), _decide.TABLE[_decide.DDP])
         self.units.add(unit)
-        return unit.mode
+        return unit.tying
 
     def tie(self, output: Any) -> Any:
         """``output`` with the groups that did not run in this forward tied in (every routing
@@ -36,15 +36,15 @@ class Simulated(_unit.StandIn):
         as they are."""
         units = [m._unit for m in _unit.routing_modules(self.root)]
         for u in units:
-            if u.wiring is not self or u.mode is None:
+            if u.wiring is not self or u.tying is None:
                 self.decide_for(u)
         # The functional forms' units belong to no module of the root, so routing_modules cannot
         # find them: as a DDP wiring keeps them in ``extra``, take every one that decided here.
         units += [u for u in self.units if not isinstance(u.owner(), (nn.Module, type(None))) and u.groups()]
-        units = [u for u in units if u.mode in _wiring.AT_WRAPPER_MODES]
+        units = [u for u in units if u.tying in _wiring.TIED_AT_WRAPPER]
         if not units:
             return output
-        dead = _layout.Layout(self.root, units).take(self, _wiring.AT_WRAPPER_MODES, keep_records=True)[2]
+        dead = _layout.Layout(self.root, units).take(self, _wiring.TIED_AT_WRAPPER, keep_records=True)[2]
         return _autograd.tie_outputs(output, dead, False) if dead else output
 
 

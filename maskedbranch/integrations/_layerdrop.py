@@ -26,7 +26,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from .. import _compat, _structure, _unit
 from .._route import tie_unrun
-from .._unit import Held, Mode
+from .._unit import Held, Tying
 from ._transformers_rules import Rule
 
 # ----------------------------------------------------------------------------------------------
@@ -180,10 +180,10 @@ class LayerDropList(_structure.RoutingModuleList):
 
     def _draw(self, p: float):
         rule = self.rule
-        mode = self._unit.mode_here()
+        tying = self._unit.tying_here()
         for i, layer in enumerate(list(self._modules.values())):
             if i >= rule.first and _dropped(rule, p):
-                yield _Dropped(self, i, layer, mode)
+                yield _Dropped(self, i, layer, tying)
             else:
                 if self._fwd is not None:
                     self._fwd |= 1 << i
@@ -232,10 +232,10 @@ class _Dropped:
     states it is given (with the layer's parameters tied in, when the job needs them to get a
     gradient) without running the layer."""
 
-    __slots__ = ("owner", "index", "layer", "mode")
+    __slots__ = ("owner", "index", "layer", "tying")
 
-    def __init__(self, owner: LayerDropList, index: int, layer: nn.Module, mode: Mode):
-        self.owner, self.index, self.layer, self.mode = owner, index, layer, mode
+    def __init__(self, owner: LayerDropList, index: int, layer: nn.Module, tying: Tying):
+        self.owner, self.index, self.layer, self.tying = owner, index, layer, tying
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self.owner
@@ -252,16 +252,16 @@ class _Dropped:
         fsdp = _compat.fsdp_module_type()
         if fsdp is not None and isinstance(self.layer, fsdp):
             return self._through_unit(args, kwargs)
-        mode = self.mode
-        if mode.ties_inputs and torch.is_grad_enabled():
+        tying = self.tying
+        if tying.ties_inputs and torch.is_grad_enabled():
             params: Sequence[Tensor] = ()
-            if mode.call_ties is not None:  # else the wrapper ties the layer's parameters (Mode.AT_WRAPPER)
+            if tying.call_ties is not None:  # else the wrapper ties the layer's parameters (Tying.AT_WRAPPER)
                 table = owner._table(self.index)
                 params = table.tied(0)
                 if params is None:  # a parameter of the layer was replaced
                     table.refresh()
                     params = table.tied(0)
-            x = tie_unrun(x, mode, params, _other_inputs(owner, args, kwargs, mode))
+            x = tie_unrun(x, tying, params, _other_inputs(owner, args, kwargs, tying))
         return _dropped_output(rule, x, kwargs)
 
     def _through_unit(self, args, kwargs) -> Any:
@@ -274,7 +274,7 @@ class _Dropped:
         def forward(*args, **kwargs):
             _structure.check_skippable(list(layer.children()), f"{owner.where}[{self.index}]")
             x = args[0] if args else kwargs["hidden_states"]
-            x = tie_unrun(x, Mode.ZEROS, list(layer.parameters()), _other_inputs(owner, args, kwargs, Mode.ZEROS))
+            x = tie_unrun(x, Tying.ZEROS, list(layer.parameters()), _other_inputs(owner, args, kwargs, Tying.ZEROS))
             return _dropped_output(owner.rule, x, kwargs)
 
         layer.forward = forward  # an instance attribute: nn.Module.__call__ runs it inside the hooks
@@ -284,12 +284,12 @@ class _Dropped:
             del layer.forward
 
 
-def _other_inputs(owner: LayerDropList, args: tuple, kwargs: Dict[str, Any], mode: Mode) -> List[Tensor]:
+def _other_inputs(owner: LayerDropList, args: tuple, kwargs: Dict[str, Any], tying: Tying) -> List[Tensor]:
     """The dropped layer's other inputs that need a gradient (a decoder's encoder output), to tie
     into the hidden states: a rank that drops every layer of a decoder would otherwise leave the
     encoder's parameters out of the backward, and DDP or FSDP2 waiting for them. They are noted
     for the owner's post-hook (_leave). None in one process (nothing waits for them)."""
-    if not (dist.is_available() and dist.is_initialized()) or not mode.ties_inputs:
+    if not (dist.is_available() and dist.is_initialized()) or not tying.ties_inputs:
         return []
     given = args[0] if args else kwargs.get("hidden_states")
     others = [t for t in (*args[1:], *kwargs.values()) if isinstance(t, Tensor) and t is not given and t.requires_grad]
@@ -348,7 +348,7 @@ def _enter(owner: nn.Module, args: Any) -> None:
     layers._fwd = (1 << n) | ((1 << n) - 1) if torch.is_grad_enabled() else None
     layers._extras = []
     if layers._fwd is not None:
-        layers._unit.mode_here()  # decides under the wrapper running it
+        layers._unit.tying_here()  # decides under the wrapper running it
     if not owner.training:
         return
     obj, name = _holder(owner, layers.rule.source)

@@ -96,14 +96,14 @@ def _after(owner: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     p = unit._parameter()
     if p is None or not torch.is_grad_enabled() or not p.requires_grad:
         return None
-    mode = unit._unit.mode_here()  # under a wrapper, the unit joins its layout
+    tying = unit._unit.tying_here()  # under a wrapper, the unit joins its layout
     unit._unit.record(int(unit.used))
     if unit.used:
         return None
     first, put = _first_tensor_of(output)
-    if mode.call_ties is None or first is None:  # not tied here (Mode.SKIP), or by the wrapper (Mode.AT_WRAPPER)
+    if tying.call_ties is None or first is None:  # not tied here (Tying.SKIP), or by the wrapper (Tying.AT_WRAPPER)
         return None
-    return put(tie_unrun(first, mode, [p]))
+    return put(tie_unrun(first, tying, [p]))
 
 
 def patch_module(owner: nn.Module, materialize_grads: Any) -> bool:

@@ -127,11 +127,13 @@ def masked(blk, x, branch, p, mode, scale_by_keep, generator, rest, read_params,
     ``read_params()`` gives the branch's parameters."""
     compiling = torch.compiler.is_compiling()
     out, _, gate, scale = dispatch(_structure.CheckedBranch(branch, False), x, None, tuple(rest), {}, p, mode,
-                                   scale_by_keep, generator, output[1], lambda: _unit.traced_mode(blk), stateless, output)
+                                   scale_by_keep, generator, output[1], lambda: _unit.traced_tying(blk), stateless,
+                                   output)
     if out is not None:
         return out
-    tie = _unit.traced_mode(blk) if compiling else blk._unit.mode_here()  # the block's setting: zeros or none
-    params = read_params() if not compiling or tie is _unit.Mode.ALIASES else ()  # compiled, every branch is in the graph
+    tie = _unit.traced_tying(blk) if compiling else blk._unit.tying_here()  # the block's setting: zeros or none
+    # compiled, every branch is in the graph
+    params = read_params() if not compiling or tie is _unit.Tying.ALIASES else ()
     if not compiling and (gate == -1 if isinstance(gate, int) else not bool((gate >= 0).any())):
         out = torch.zeros((x.shape[0], *output[0]), dtype=output[1], device=x.device)
         return _route.tie_unrun(out, tie, params, (x, *rest))
