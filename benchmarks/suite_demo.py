@@ -21,6 +21,7 @@ if __name__ == "__main__" and not __package__:  # run as a file (e.g. by a loop 
 import functools
 import importlib.util
 import pathlib
+import sys
 
 import torch
 
@@ -36,11 +37,16 @@ D_IN, CLASSES = 64, 10  # the demo's
 
 @functools.lru_cache(maxsize=None)
 def demo():
-    """examples/demo.py as a module (its main() runs only as a script)."""
+    """examples/demo.py as a module (its main() runs only as a script), its folder first on the
+    path while it loads, as for a script (it imports examples/_ranks.py)."""
     path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "demo.py"
     spec = importlib.util.spec_from_file_location("maskedbranch_demo", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
     return module
 
 
