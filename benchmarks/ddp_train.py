@@ -122,6 +122,12 @@ def columns(module_phases: bool, vs: Sequence[str] = ()) -> List[str]:
     return cols + ["against", "step ratio*", "per launch*"] + [f"step / {v}*" for v in vs]
 
 
+def backend(world: int, cuda: bool) -> str:
+    """The launch as a table's title says it: ranks, and NCCL or gloo with 1 thread each."""
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
+    return f"{ranks}, NCCL" if cuda else f"{ranks}, gloo, 1 thread{' each' if world > 1 else ''}"
+
+
 def record_checks(cfg, runs: List[dict], what: str) -> None:
     """Contenders that must train identically: parameters and buffers bitwise equal after the
     timed steps, in every launch."""

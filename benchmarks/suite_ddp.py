@@ -27,7 +27,7 @@ if __name__ == "__main__" and not __package__:  # run as a file (e.g. by a loop 
 import torch
 
 from . import table
-from .ddp_train import columns, launch_all, record_checks, summarize
+from .ddp_train import backend, columns, launch_all, record_checks, summarize
 from .models import RoutedMLP
 
 NAMES = ["masked", "masked, bucket view", "masked (static_graph)", "masked, no pruning",
@@ -80,10 +80,8 @@ def run(cfg) -> list:
     from .plots import ddp_steps
 
     ddp_steps(cfg.out / "ddp.png", rows, "24 routed MLP layers")
-    ranks = f"{world} rank{'s' if world > 1 else ''}"
-    backend = f"{ranks}, NCCL" if cuda else f"{ranks}, gloo, 1 thread{' each' if world > 1 else ''}"
     return [table(
-        f"DDP step ({backend}; 24 routed layers x 4 MLP branches {d}->{h}->{d}, batch {batch} per rank, "
+        f"DDP step ({backend(world, cuda)}; 24 routed layers x 4 MLP branches {d}->{h}->{d}, batch {batch} per rank, "
         f"SGD momentum 0.9, weight decay 1e-4; {launches} launches x {reps} interleaved steps; medians in ms, rank 0)",
         columns(True, vs=[DENSE]),
         rows,

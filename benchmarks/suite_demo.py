@@ -26,7 +26,7 @@ import sys
 import torch
 
 from . import check, table
-from .ddp_train import columns, launch_all, summarize
+from .ddp_train import backend, columns, launch_all, summarize
 
 REF = "if/else (fup=True)"
 DENSE = "dense 0/1"
@@ -81,10 +81,9 @@ def run(cfg) -> list:
     check(cfg, f"demo: masked == {REF} after the timed steps (parameters, up to rounding)",
           max(r["same"][f"masked == {REF}"] for r in runs), 1e-3)
     rows = summarize(runs, NAMES, lambda n: REF, module_phases=False, vs=[DENSE])
-    ranks = f"{world} rank{'s' if world > 1 else ''}"
-    backend = f"{ranks}, NCCL" if cuda else f"{ranks}, gloo, 1 thread{' each' if world > 1 else ''}"
     return [table(
-        f"The demo's expert model under DDP ({backend}; examples/demo.py: 4 MLP experts {dim}->{4 * dim}->{dim} chosen "
+        f"The demo's expert model under DDP ({backend(world, cuda)}; examples/demo.py: "
+        f"4 MLP experts {dim}->{4 * dim}->{dim} chosen "
         f"per row by a skewed domain, batch {batch} per rank, SGD momentum 0.9, weight decay 1e-3; {launches} launches x "
         f"{reps} interleaved steps; medians in ms, rank 0)",
         columns(False, vs=[DENSE]),

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import note, table
-from .ddp_train import columns, launch_all, record_checks, summarize
+from .ddp_train import backend, columns, launch_all, record_checks, summarize
 
 NONE = "p = 0, fup=False"
 
@@ -95,10 +95,8 @@ def run(cfg) -> list:
     record_checks(cfg, runs, "hf")
     rows = summarize(runs, names, lambda n: n.replace("patched", "HF").replace("fup=False", "fup=True")
                      if n.startswith("patched") else NONE, module_phases=False)
-    ranks = f"{world} rank{'s' if world > 1 else ''}"
-    backend = f"{ranks}, NCCL" if cuda else f"{ranks}, gloo, 1 thread{' each' if world > 1 else ''}"
     return [table(
-        f"HF LayerDrop under DDP ({backend}; Wav2Vec2ForSequenceClassification, {layers} layers of width {d}, "
+        f"HF LayerDrop under DDP ({backend(world, cuda)}; Wav2Vec2ForSequenceClassification, {layers} layers of width {d}, "
         f"batch {batch} x {samples} samples per rank, SGD momentum 0.9, weight decay 1e-4; {launches} launch(es) x "
         f"{reps} interleaved steps; medians in ms, rank 0)",
         columns(False),

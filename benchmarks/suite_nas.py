@@ -21,7 +21,7 @@ if __name__ == "__main__" and not __package__:  # run as a file (e.g. by a loop 
 import torch
 
 from . import table
-from .ddp_train import columns, launch_all, record_checks, summarize
+from .ddp_train import backend, columns, launch_all, record_checks, summarize
 from .models import Supernet
 
 REF = "if/else (fup=True)"
@@ -73,10 +73,9 @@ def run(cfg) -> list:
     from .plots import ddp_steps
 
     ddp_steps(cfg.out / "nas.png", rows, "NAS supernet, 12 choice layers")
-    ranks = f"{world} rank{'s' if world > 1 else ''}"
-    backend = f"{ranks}, NCCL" if cuda else f"{ranks}, gloo, 1 thread{' each' if world > 1 else ''}"
     return [table(
-        f"NAS supernet DDP step ({backend}; 12 choice layers x 4 ShuffleNetV2 choices (3x3, 5x5, 7x7, Xception) "
+        f"NAS supernet DDP step ({backend(world, cuda)}; "
+        f"12 choice layers x 4 ShuffleNetV2 choices (3x3, 5x5, 7x7, Xception) "
         f"with BatchNorm, stages {'/'.join(map(str, widths))}, {side}x{side} images, batch {batch} per rank, every rank "
         f"its own path per step; SGD momentum 0.9, weight decay 4e-5; {launches} launches x {reps} interleaved steps; "
         "medians in ms, rank 0)",
