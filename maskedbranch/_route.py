@@ -148,7 +148,7 @@ def route(table: Branches, x: Tensor, gate: Any, args: Tuple[Any, ...] = (), kwa
         check_per_row_devices(args, kwargs, x)
     compiling = torch.compiler.is_compiling()
     if kind == "int" and compiling:
-        kind, gate = "ids", torch.full((x.shape[0],), gate, dtype=torch.int64)
+        kind, gate = "tensor", torch.full((x.shape[0],), gate, dtype=torch.int64)
     planned = None if kind == "int" else _plan(gate, n, x, call.drawn, compiling)
     k = gate if planned is None else None if compiling else _whole_batch(planned, x.shape[0])
     if k is None:
