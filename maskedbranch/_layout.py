@@ -8,6 +8,9 @@ ones ever reset), *shared* (also used by the model outside every group: never re
 only conditionally: an encoder whose output only a decoder that dropped every layer tied in,
 used only if its gradient turns out nonzero, which the step reads). The two sets of a forward
 travel as ``2 * ceil(n / 8)`` bytes, OR-reduced (``ReduceOp.BOR``) on a CPU group.
+
+The loops over parameters (which have no gradient, set gradients to ``None``) run in C++, on the
+layout's ``table`` (csrc/parameters.cpp), given a bit set as bytes.
 """
 from __future__ import annotations
 
@@ -16,9 +19,11 @@ import operator
 import weakref
 from typing import Any, Dict, List, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from . import _ops
 from ._unit import RoutingUnit
 
 _MAX_CACHED_SETS = 1024  # sets of groups that ran, per unit, whose bits and dead parameters are kept
@@ -38,6 +43,17 @@ def positions(bits: int) -> List[int]:
     return out
 
 
+def as_bytes(bits: int, nbytes: int) -> Tensor:
+    """A bit set as the little-endian bytes the C++ table reads (a uint8 CPU tensor)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(bits.to_bytes(nbytes, "little")), dtype=torch.uint8)
+
+
+def from_bytes(t: Tensor) -> int:
+    return int.from_bytes(t.numpy().tobytes(), "little")
+
+
 class Layout:
     """The wrapper's parameters: names and objects in ``named_parameters()`` order, each group's
     positions (``groups``: (unit, group index, positions)), the grouped, shared and other
@@ -50,6 +66,9 @@ class Layout:
         self.params = [p for _, p in named]
         self.size = len(named)
         self.nbytes = (self.size + 7) // 8
+        # by position, the tensor whose gradient a step reads (an optimizer may hold another
+        # object than the wrapper's: FSDP2's sharded parameter; the wiring sets it)
+        self.table = _ops.parameter_table(self.params)
         index = {n: k for k, n in enumerate(self.names)}
         position = {id(p): k for k, (_, p) in enumerate(named)}
         for n, p in root.named_parameters(remove_duplicate=False):
@@ -80,7 +99,7 @@ class Layout:
         self.grouped = grouped
         self.shared = grouped & outside & ~claimed  # also used outside every group: never reset
         self.resettable = grouped & ~self.shared
-        self.grouped_params = [(k, self.params[k]) for k in positions(grouped)]  # what the backward's start reads
+        self.grouped_bytes = as_bytes(grouped, self.nbytes)  # what the backward's start reads
         self.others = [k for k in range(self.size) if not grouped >> k & 1]  # outside every group
         # Per unit, the units inside one of its groups (a MaskedBranch in a LayerDrop layer) with
         # their positions: when such a unit is called, it decides for its parameters.
@@ -178,11 +197,13 @@ def cpu_group(group: Any) -> Any:
     """A gloo group of its own over ``group``'s ranks for the usage bits, made once per group
     (only its ranks take part: ``use_local_synchronization``), so that they never wait on a
     device and never queue behind the wrapper's own collectives: on the wrapper's own gloo group
-    the asynchronous launch would wait for them at every forward."""
+    the asynchronous launch would wait for them at every forward. None for a group of one rank:
+    its bits are the answer, and a launch would cost a wake-up of gloo's thread (50-120 us)."""
     group = dist.group.WORLD if group is None else group
-    found = cpu_groups.get(group)
-    if found is None:
-        found = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+    found = cpu_groups.get(group, False)
+    if found is False:
+        ranks = dist.get_process_group_ranks(group)
+        found = None if len(ranks) == 1 else dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         cpu_groups[group] = found
     return found
 

@@ -68,6 +68,12 @@ class Plan(NamedTuple):
         return self.rows.shape[0]
 
 
+def parameter_table(params: Sequence[Tensor]) -> "torch.ScriptObject":
+    """Parameters by position, with the data-parallel layer's loops over them in C++
+    (csrc/parameters.cpp: ``undefined(bits)``, ``to_none(bits)``, ``set(k, p)``)."""
+    return torch.classes.maskedbranch.Parameters(list(params))
+
+
 def check_tensor(t, name: str) -> Tensor:
     """A clear error for a non-tensor, or for a CUDA tensor given to a CPU-only build."""
     if not isinstance(t, Tensor):

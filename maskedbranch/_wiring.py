@@ -34,14 +34,14 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import _autograd, _compat, _decide, _unit
-from ._layout import Layout, cpu_group, mesh_group, positions, tensors
+from ._layout import Layout, as_bytes, cpu_group, from_bytes, mesh_group, positions, tensors
 from ._unit import Tying, RoutingUnit
 
 _MAX_PENDING = 8  # forwards whose reduction stays unmerged before a backward or step merges them
@@ -126,7 +126,6 @@ class Wiring:
         # step, or its gradient seen cleared): covered by a merged forward, used or used
         # conditionally on some rank; and whether its gradient was seen None since its last step.
         self.seen = self.used = self.cond = self.cleared = 0
-        self.stepped: Dict[int, Tensor] = {}  # position -> the parameter object its optimizer holds
         self._synced = True  # the last backward synchronized gradients (or none ran yet)
         self._backwards = 0  # backwards started since the last step
         self.last_reset = 0
@@ -182,7 +181,6 @@ class Wiring:
             units += [u for u in self.extra if u.owner() is not None]
             self.layout = Layout(root, units)
             self.seen = self.used = self.cond = self.cleared = 0
-            self.stepped = {}
             self.pending = [p for p in self.pending if len(p[1]) == 2 * self.layout.nbytes]
             version[0] += 1  # positions changed: the step hook's per-optimizer lists too
         return self.layout
@@ -271,11 +269,12 @@ class Wiring:
         used, cond, dead = layout.take(self, TIED_AT_WRAPPER)
         nb = layout.nbytes
         buf = bytearray(used.to_bytes(nb, "little") + cond.to_bytes(nb, "little"))
-        if dist.is_available() and dist.is_initialized() and nb:
+        group = self._group() if nb and dist.is_available() and dist.is_initialized() else None
+        if group is not None:
             t = torch.frombuffer(buf, dtype=torch.uint8)  # reduced in place: buf holds every rank's OR
-            work = dist.all_reduce(t, op=dist.ReduceOp.BOR, group=self._group(), async_op=True)
+            work = dist.all_reduce(t, op=dist.ReduceOp.BOR, group=group, async_op=True)
         else:
-            work = None  # one process (an explicit wiring): these bytes are the answer
+            work = None  # one process or one rank: these bytes are the answer
         number = next(self._forwards)
         self.pending.append([work, buf, number, False])
         if len(self.pending) > _MAX_PENDING:
@@ -290,12 +289,7 @@ class Wiring:
             return  # not this wiring's any more, or another output's hook came first
         self._merge(lambda e: e[2] < number)
         if self._synced and self.layout is not None:
-            pairs = self.layout.grouped_params
-            stepped = self.stepped
-            if stepped:
-                pairs = [(k, stepped.get(k, p)) for k, p in pairs]
-            none = [k for k, p in pairs if p.grad is None]
-            bits = self.layout.grouped if len(none) == len(pairs) else sum(1 << k for k in none)
+            bits = from_bytes(self.layout.table.undefined(self.layout.grouped_bytes))
             # cleared: what earlier forwards used no longer counts
             self.seen &= ~bits
             self.used &= ~bits
@@ -340,12 +334,8 @@ class Wiring:
         self._backwards = 0
         by_position, mine = params.by_position, params.bits
         window = self.seen & self.cleared & mine
-        done = 0
-        for k in positions(window & ~self.used & ~self.cond):  # no rank used it: as if/else, no gradient
-            p = by_position[k]
-            if p.grad is not None:
-                p.grad = None
-                done += 1
+        unused = window & ~self.used & ~self.cond  # no rank used it: as if/else, no gradient
+        done = self.layout.table.to_none(as_bytes(unused, self.layout.nbytes)) if unused else 0
         for k in positions(window & self.cond & ~self.used):  # used only conditionally (a rare read)
             p = by_position[k]
             grad = p.grad
@@ -391,7 +381,7 @@ class Wiring:
         layout = self.layout
         for p, k in mine:
             if p is not layout.params[k]:
-                self.stepped[k] = p  # (FSDP2's sharded parameter: its optimizer holds another object)
+                layout.table.set(k, p)  # (FSDP2's sharded parameter: its optimizer holds another object)
         return StepParams(mine, layout.others)
 
     def positions_of(self, params: Sequence[Tensor]) -> List[int]:

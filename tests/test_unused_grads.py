@@ -6,6 +6,7 @@ gradients, its edge cases, and where the reduced bytes must live per backend. Th
 jobs are in tests/test_unused_grads_ddp.py.
 """
 import gc
+import os
 import weakref
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 
 from maskedbranch import MaskedBranch, ResidualDropPath, unused_grads, unused_grads_to_none
 
-from harness import state_diff, training_state
+from harness import leave_job, run_ranks, state_diff, training_state
 from unused_grads_model import D, N, ROWS, Net, data, grads_none, loss_of, mlp, sgd
 
 
@@ -236,28 +237,36 @@ def test_remove_and_bad_inputs():
         unused_grads_to_none(opt, nn.Linear(2, 2))
 
 
-def test_usage_reduces_on_a_cpu_group(tmp_path):
-    """The bits go to a gloo group of their own over the wrapper's ranks, made once per group (no
-    device in the loop, never queued behind the wrapper's own collectives), beside NCCL too
-    (tests/test_unused_grads.py's GPU case runs it)."""
+def _cpu_group_job(rank, world, init_file, out_dir):
     from maskedbranch import _layout
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        world = _layout.cpu_group(None)
-        assert world is not dist.group.WORLD and dist.get_backend(world) == "gloo"
-        assert _layout.cpu_group(None) is world  # made once
-        group = dist.new_group(backend="gloo")
-        own = _layout.cpu_group(group)
-        assert own is not group and own is not world and dist.get_process_group_ranks(own) == [0]
-        groups = [weakref.ref(g) for g in (dist.group.WORLD, world, group, own)]
-        del world, group, own
-    finally:
-        dist.destroy_process_group()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    found = {}
+    world_group = _layout.cpu_group(None)
+    found["world is its own gloo group"] = world_group is not dist.group.WORLD and dist.get_backend(world_group) == "gloo"
+    found["made once"] = _layout.cpu_group(None) is world_group
+    group = dist.new_group(backend="gloo")
+    own = _layout.cpu_group(group)
+    found["one per group"] = own is not group and own is not world_group and dist.get_process_group_ranks(own) == [0, 1]
+    alone = dist.new_group([rank], backend="gloo", use_local_synchronization=True)
+    found["a group of one rank has none"] = _layout.cpu_group(alone) is None
+    groups = [weakref.ref(g) for g in (dist.group.WORLD, world_group, group, own, alone)]
+    del world_group, group, own, alone
+    leave_job()
     # Each group's own gloo group goes with it: nothing here keeps a destroyed group (nor its
     # worker threads) to the interpreter's teardown.
     gc.collect()
-    assert [g() for g in groups] == [None] * 4
+    found["gone with their groups"] = [g() for g in groups] == [None] * 5
+    torch.save(found, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_usage_reduces_on_a_cpu_group():
+    """The bits go to a gloo group of their own over the wrapper's ranks, made once per group (no
+    device in the loop, never queued behind the wrapper's own collectives), beside NCCL too
+    (tests/test_unused_grads.py's GPU case runs it); a group of one rank reduces nothing."""
+    for found in run_ranks(_cpu_group_job, 2, 120, "the cpu group job"):
+        assert found == {k: True for k in found} and len(found) == 5, found
 
 
 def test_functional_call_ties_the_swapped_in_tensors():

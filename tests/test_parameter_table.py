@@ -1,0 +1,94 @@
+"""The data-parallel layer's parameter table (csrc/parameters.cpp, ``_ops.parameter_table``): a
+wrapper's parameters by position and its loops over a bit set of them, against the same loops
+written in Python; bit sets as bytes (``_layout.as_bytes`` / ``from_bytes``); bad arguments raise
+an error naming them and the table keeps working."""
+import random
+
+import pytest
+import torch
+
+from maskedbranch import _ops
+from maskedbranch._layout import as_bytes, from_bytes
+
+
+def params(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(3, generator=g)) for _ in range(n)]
+    for k, p in enumerate(ps):
+        if k % 3 != 1:
+            p.grad = torch.full_like(p, float(k))
+    return ps
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 64, 130])
+def test_bytes_round_trip(n):
+    rng = random.Random(n)
+    for _ in range(20):
+        bits = rng.getrandbits(n) if n else 0
+        t = as_bytes(bits, (n + 7) // 8)
+        assert t.dtype == torch.uint8 and t.numel() == (n + 7) // 8
+        assert from_bytes(t) == bits
+
+
+@pytest.mark.parametrize("n", [1, 8, 13, 70])
+def test_undefined_and_to_none_match_python(n):
+    rng = random.Random(n)
+    for _ in range(10):
+        ps = params(n)
+        table = _ops.parameter_table(ps)
+        assert table.size() == n
+        bits = rng.getrandbits(n)
+        nb = (n + 7) // 8
+        want = sum(1 << k for k, p in enumerate(ps) if bits >> k & 1 and p.grad is None)
+        assert from_bytes(table.undefined(as_bytes(bits, nb))) == want
+        had = [k for k, p in enumerate(ps) if bits >> k & 1 and p.grad is not None]
+        untouched = {k: p.grad for k, p in enumerate(ps) if not bits >> k & 1}
+        assert table.to_none(as_bytes(bits, nb)) == len(had)
+        for k, p in enumerate(ps):
+            if bits >> k & 1:
+                assert p.grad is None
+            else:
+                assert p.grad is untouched[k]  # the same tensor, not a copy
+        assert table.to_none(as_bytes(bits, nb)) == 0
+
+
+def test_bits_past_the_end_are_ignored():
+    ps = params(5)
+    table = _ops.parameter_table(ps)
+    assert from_bytes(table.undefined(torch.full((4,), 255, dtype=torch.uint8))) == 0b10010  # (positions 1 and 4 have none)
+    assert table.to_none(torch.full((4,), 255, dtype=torch.uint8)) == 3
+    assert all(p.grad is None for p in ps)
+
+
+def test_set_replaces_what_a_position_reads():
+    ps = params(4)
+    table = _ops.parameter_table(ps)
+    other = torch.nn.Parameter(torch.zeros(3))
+    table.set(2, other)
+    assert table.to_none(as_bytes(0b0100, 1)) == 0  # the replacement has no gradient
+    assert ps[2].grad is not None
+    other.grad = torch.ones(3)
+    assert table.to_none(as_bytes(0b0100, 1)) == 1 and other.grad is None and ps[2].grad is not None
+
+
+@pytest.mark.parametrize("bad, words", [
+    (torch.zeros(2, dtype=torch.int64), "uint8"),
+    (torch.zeros(2, 2, dtype=torch.uint8), "1-d"),
+    (torch.zeros(2, dtype=torch.uint8, device="meta"), "CPU"),
+])
+def test_bad_bits_name_the_argument(bad, words):
+    ps = params(9)
+    table = _ops.parameter_table(ps)
+    for method in (table.undefined, table.to_none):
+        with pytest.raises(RuntimeError, match=rf"bits: .*{words}|bits: expected a 1-d uint8 CPU tensor"):
+            method(bad)
+    assert table.to_none(as_bytes(0b1, 2)) == 1  # still works
+
+
+def test_set_out_of_range_names_k():
+    table = _ops.parameter_table(params(3))
+    with pytest.raises(RuntimeError, match="k: position 3 is outside the table's 3 parameters"):
+        table.set(3, torch.zeros(1))
+    with pytest.raises(RuntimeError, match="k: position -1"):
+        table.set(-1, torch.zeros(1))
+    assert table.size() == 3
