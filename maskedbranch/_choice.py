@@ -116,20 +116,17 @@ def stackable(branches: Sequence[Any]) -> bool:
     return True
 
 
-_warned: set = set()
-
-
 def _warn_rows(where: str) -> None:
-    if where not in _warned:
-        _warned.add(where)
-        warnings.warn(
-            f"maskedbranch: {where} with a whole-batch gate under torch.compile runs every branch on its rows "
-            f"(a zero-weighted row for the branches not chosen) with torch {torch.__version__}: torch.cond "
-            f"trains and carries the branches' buffers from torch {COND_TORCH} on, and these branches differ in "
-            "structure, so they cannot be stacked. Results, BatchNorm statistics included, equal eager mode's; "
-            "what is lost is the skipped compute of the branches not chosen.",
-            stacklevel=2,
-        )
+    # once per module name and process: Python's default warning filter shows a message once
+    # per place that warns it
+    warnings.warn(
+        f"maskedbranch: {where} with a whole-batch gate under torch.compile runs every branch on its rows "
+        f"(a zero-weighted row for the branches not chosen) with torch {torch.__version__}: torch.cond "
+        f"trains and carries the branches' buffers from torch {COND_TORCH} on, and these branches differ in "
+        "structure, so they cannot be stacked. Results, BatchNorm statistics included, equal eager mode's; "
+        "what is lost is the skipped compute of the branches not chosen.",
+        stacklevel=2,
+    )
 
 
 def form_of(branches: Sequence[Any], where: str) -> int:

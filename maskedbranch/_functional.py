@@ -33,13 +33,10 @@ class BranchOwner:
         pass  # the functional forms check their branches on every call
 
 
-_owners: "weakref.WeakKeyDictionary[nn.Module, BranchOwner]" = weakref.WeakKeyDictionary()
-
-
 def unit_for(module: nn.Module, where: str) -> RoutingUnit:
-    owner = _owners.get(module)
+    owner = FUNCTIONAL.by_module.get(module)
     if owner is None:
-        owner = _owners[module] = BranchOwner(module, where)
+        owner = FUNCTIONAL.by_module[module] = BranchOwner(module, where)
     return owner._unit
 
 
@@ -67,19 +64,21 @@ def units_in(modules: Sequence[nn.Module]) -> List[RoutingUnit]:
     """The units of the functional calls' branches among ``modules`` (in their order)."""
     out = []
     for m in modules:
-        owner = _owners.get(m)
+        owner = FUNCTIONAL.by_module.get(m)
         if owner is not None:
             out.append(owner._unit)
     return out
 
 
-class _FunctionsOwner:
-    """The owner of the one unit that function branches of the functional forms share (no
-    parameters of its own: it only holds the decision, e.g. DDP's Python reducer)."""
+class _Functional:
+    """The functional forms' state: the owner of each module branch's unit (weakly keyed by the
+    module), and, as the owner of the one unit that function branches share (no parameters of
+    its own: it only holds the decision, e.g. DDP's Python reducer), that unit."""
 
-    __slots__ = ("_unit", "__weakref__")
+    __slots__ = ("by_module", "_unit", "__weakref__")
 
     def __init__(self) -> None:
+        self.by_module: "weakref.WeakKeyDictionary[nn.Module, BranchOwner]" = weakref.WeakKeyDictionary()
         self._unit = RoutingUnit(self, "drop_add_residual", True)
 
     def _unit_groups(self) -> List[Sequence[Tensor]]:
@@ -92,5 +91,5 @@ class _FunctionsOwner:
         pass
 
 
-_FUNCTIONS_OWNER = _FunctionsOwner()
-FUNCTIONS = _FUNCTIONS_OWNER._unit
+FUNCTIONAL = _Functional()
+FUNCTIONS = FUNCTIONAL._unit  # the function branches' unit

@@ -98,15 +98,14 @@ def materialize_name(value: Optional[bool]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Which wrapper's forward runs: the wired wrappers push themselves while their forward runs
-# (maskedbranch/_wiring.py); a DDP module that is not wired yet is read from DDP itself.
-
-running: List[Any] = []
+# Which wrapper's forward runs: the wired wrappers push themselves on ``DATA_PARALLEL.running``
+# while their forward runs (maskedbranch/_wiring.py); a DDP module that is not wired yet is read
+# from DDP itself.
 
 
 class StandIn:
     """A wrapper simulated in one process (maskedbranch/doctor/simulate.py): pushed on
-    ``running`` as a wrapper's forward would be, it decides for the units that run under it
+    ``DATA_PARALLEL.running`` as a wrapper's forward would be, it decides for the units that run under it
     (``decide_for(unit) -> Tying``) and is alive while it is pushed."""
 
     def decide_for(self, unit: RoutingUnit) -> Tying:
@@ -117,6 +116,7 @@ class StandIn:
 
 
 def current_wrapper() -> Any:
+    running = DATA_PARALLEL.running
     return running[-1] if running else _compat.active_ddp()
 
 
@@ -136,15 +136,20 @@ def _decide_alone(unit: "RoutingUnit", wrapper: Any) -> Tying:
 
 
 class _DataParallelLayer:
-    """What the data-parallel layer plugs in when it is imported: ``decide(unit, wrapper) -> Tying``
-    (decides, wires the wrapper, settles the unit; maskedbranch/_wiring.py), ``created(unit)`` (a
-    unit exists) and ``needed()`` (something now needs the optimizer step pre-hook: a wrapper was
-    wired, or a graph that gives dead branches zeros was compiled; maskedbranch/unused_grads.py).
-    A model that runs in one process, eagerly, under no wrapper needs nothing process-wide."""
+    """The seam to the data-parallel layer: ``running``, the wrappers whose forward runs, innermost
+    last (each pushes itself); and what the layer plugs in when it is imported:
+    ``decide(unit, wrapper) -> Tying`` (decides, wires the wrapper, settles the unit;
+    maskedbranch/_wiring.py), ``created(unit)`` (a unit exists) and ``needed()`` (something now
+    needs the optimizer step pre-hook: a wrapper was wired, or a graph that gives dead branches
+    zeros was compiled; maskedbranch/unused_grads.py). A model that runs in one process, eagerly,
+    under no wrapper needs nothing process-wide."""
 
     decide: Callable[["RoutingUnit", Any], Tying] = staticmethod(_decide_alone)
     created: Callable[["RoutingUnit"], None] = staticmethod(lambda unit: None)
     needed: Callable[[], None] = staticmethod(lambda: None)
+
+    def __init__(self) -> None:
+        self.running: List[Any] = []
 
 
 DATA_PARALLEL = _DataParallelLayer()
@@ -202,6 +207,7 @@ class RoutingUnit:
         checkpoint's recomputation in the backward, keeps the decision of a live wrapper); else
         decided now. A parameter of the owner replaced since (``fully_shard`` puts its own in)
         decides again."""
+        running = DATA_PARALLEL.running
         w = running[-1] if running else _compat.active_ddp()
         tying = self.tying
         if w is None:

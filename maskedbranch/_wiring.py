@@ -6,7 +6,7 @@ which parameters no rank used, and resets their gradients to ``None`` before the
 It imports the routing (maskedbranch/_unit.py) and plugs :func:`decide` into it; the routing never
 imports it. A wiring acts only through hooks on its own wrapper:
 
-1. **Before each forward** (a forward pre-hook): the wrapper pushes itself on ``_unit.running`` (so
+1. **Before each forward** (a forward pre-hook): the wrapper pushes itself on ``_unit.DATA_PARALLEL.running`` (so
    a routed call compares one object with its unit's decision) and clears its units' records
    (calls made since, outside its forward, such as a checkpoint's recomputation, do not count).
    At the first forward it decides for every unit inside.
@@ -46,8 +46,19 @@ from ._unit import Tying, RoutingUnit
 
 _MAX_PENDING = 8  # forwards whose reduction stays unmerged before a backward or step merges them
 
-_wirings: "weakref.WeakKeyDictionary[nn.Module, Wiring]" = weakref.WeakKeyDictionary()
-version = [0]  # bumped when a wiring or a layout changes: the step hook's per-optimizer lists
+
+
+class _Wirings:
+    """Every wrapper's wiring (weakly keyed: a wiring goes with its wrapper), and a version
+    bumped when a wiring or a layout changes (the step hook's per-optimizer lists are read
+    again)."""
+
+    def __init__(self) -> None:
+        self.by_wrapper: "weakref.WeakKeyDictionary[nn.Module, Wiring]" = weakref.WeakKeyDictionary()
+        self.version = 0
+
+
+WIRINGS = _Wirings()
 
 TIED_AT_WRAPPER = (Tying.AT_WRAPPER, Tying.AT_WRAPPER_ZEROS)
 _PER_CALL = {Tying.AT_WRAPPER: Tying.NONE, Tying.AT_WRAPPER_ZEROS: Tying.ZEROS}
@@ -56,21 +67,21 @@ _PER_CALL = {Tying.AT_WRAPPER: Tying.NONE, Tying.AT_WRAPPER_ZEROS: Tying.ZEROS}
 def wiring_for(wrapper: nn.Module, explicit_kind: bool = False, process_group: Any = None, *, before_forward: bool = False) -> "Wiring":
     """The wiring of ``wrapper`` (made on first use). ``before_forward``: made before the
     wrapper's forward started, so its hooks run for this forward too."""
-    found = _wirings.get(wrapper)
+    found = WIRINGS.by_wrapper.get(wrapper)
     if found is None:
-        found = _wirings[wrapper] = Wiring(wrapper, explicit_kind, process_group)
+        found = WIRINGS.by_wrapper[wrapper] = Wiring(wrapper, explicit_kind, process_group)
         found.needs_first = found.tied_per_call = not before_forward and not torch.compiler.is_compiling()
-        version[0] += 1
+        WIRINGS.version += 1
         _unit.DATA_PARALLEL.needed()  # its reset runs in the optimizer step pre-hook
     return found
 
 
 def wiring_of(wrapper: Any) -> Optional["Wiring"]:
-    return _wirings.get(wrapper) if isinstance(wrapper, nn.Module) else None
+    return WIRINGS.by_wrapper.get(wrapper) if isinstance(wrapper, nn.Module) else None
 
 
 def all_wirings() -> List["Wiring"]:
-    return list(_wirings.values())
+    return list(WIRINGS.by_wrapper.values())
 
 
 def _root_of(wrapper: nn.Module) -> nn.Module:
@@ -182,7 +193,7 @@ class Wiring:
             self.layout = Layout(root, units)
             self.seen = self.used = self.cond = self.cleared = 0
             self.pending = [p for p in self.pending if len(p[1]) == 2 * self.layout.nbytes]
-            version[0] += 1  # positions changed: the step hook's per-optimizer lists too
+            WIRINGS.version += 1  # positions changed: the step hook's per-optimizer lists too
         return self.layout
 
     def _group(self) -> Any:
@@ -399,9 +410,9 @@ class Wiring:
         for h in self._hooks:
             h.remove()
         w = self.ref()
-        if w is not None and _wirings.get(w) is self:
-            del _wirings[w]
-            version[0] += 1
+        if w is not None and WIRINGS.by_wrapper.get(w) is self:
+            del WIRINGS.by_wrapper[w]
+            WIRINGS.version += 1
         _unit.forget_all(self.units)
 
 
@@ -419,21 +430,21 @@ class StepParams:
 
 @torch.compiler.disable
 def _before_forward(module: nn.Module, args: Any) -> None:
-    _unit.running.append(module)
+    _unit.DATA_PARALLEL.running.append(module)
     if torch.is_grad_enabled():
-        wiring = _wirings.get(module)
+        wiring = WIRINGS.by_wrapper.get(module)
         if wiring is not None:
             wiring.before_forward()
 
 
 @torch.compiler.disable
 def _after_forward(module: nn.Module, args: Any, output: Any) -> Any:
-    running = _unit.running
+    running = _unit.DATA_PARALLEL.running
     if running and running[-1] is module:
         running.pop()
     elif module in running:
         running.remove(module)
     if output is None or not torch.is_grad_enabled():
         return None  # (None: also what a forward that raised gives this hook)
-    wiring = _wirings.get(module)
+    wiring = WIRINGS.by_wrapper.get(module)
     return None if wiring is None else wiring.after_forward(output)

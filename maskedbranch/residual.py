@@ -171,10 +171,10 @@ def _batch_state(module: nn.Module) -> bool:
 @torch.compiler.assume_constant_result
 def rows_captured() -> bool:
     """While torch.compile traces: whether routed rows can be captured (maskedbranch/_compat.py),
-    and when not, the warning, once per process."""
+    and when not, the warning, once per process (Python's default warning filter shows a
+    message once per place that warns it)."""
     captured = _compat.captures_data_dependent()
-    if not captured and not _dense_warned:
-        _dense_warned.append(True)
+    if not captured:
         warnings.warn(
             "maskedbranch: torch.compile traces a drop path without torch._dynamo.config.capture_scalar_outputs "
             "and capture_dynamic_output_shape_ops, so its branch runs on every row (timm's dense formula, with "
@@ -184,9 +184,6 @@ def rows_captured() -> bool:
             stacklevel=2,
         )
     return captured
-
-
-_dense_warned: List[bool] = []
 
 
 def _settings(mode: Any, scale_by_keep: Any, generator: Any, kept: Any):

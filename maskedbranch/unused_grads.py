@@ -44,8 +44,8 @@ __all__ = ["UnusedGradsToNone", "unused_grads_to_none", "uninstall"]
 class _StepHook:
     """The one optimizer step pre-hook and the state it owns: the routing units alive (counted,
     so that the hook goes with the last one), its handle while installed, per optimizer what a
-    step reads in each wiring, the optimizers that an explicit handle serves, and how many
-    gradients the last step reset. With it comes the module registration hook that wires a DDP
+    step reads in each wiring, the optimizers that an explicit handle serves, how many
+    gradients the last step reset, and the reset of the units no wrapper runs (``local``). With it comes the module registration hook that wires a DDP
     module when it is built (it runs when a module is assigned as another's attribute, at
     construction, never in a forward, and sees ``DDP.module`` set)."""
 
@@ -59,6 +59,7 @@ class _StepHook:
         self.explicit: "weakref.WeakKeyDictionary[Any, UnusedGradsToNone]" = weakref.WeakKeyDictionary()
         self.last_reset = 0
         self.ddp_watch: Any = None
+        self.local = _LocalScope()
 
     def install(self) -> None:
         if self.handle is None:
@@ -77,9 +78,6 @@ class _StepHook:
         if self.ddp_watch is not None:
             self.ddp_watch.remove()
             self.ddp_watch = None
-
-
-_hook = _StepHook()
 
 
 def _registered(parent: nn.Module, name: str, child: Any) -> None:
@@ -200,7 +198,7 @@ class _LocalScope:
         return done
 
 
-_local = _LocalScope()
+_hook = _StepHook()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,7 +212,7 @@ def _params_of(optimizer: Any) -> List[Tensor]:
 def _step_params(optimizer: Any, wirings: Sequence[Any]) -> List[Tuple[Any, Any]]:
     """Per wiring, what a step of this optimizer reads there (cached per optimizer until its
     parameter groups or the wirings change)."""
-    key = (tuple(len(g["params"]) for g in optimizer.param_groups), _wiring.version[0], tuple(map(id, wirings)))
+    key = (tuple(len(g["params"]) for g in optimizer.param_groups), _wiring.WIRINGS.version, tuple(map(id, wirings)))
     found = _hook.params.get(optimizer)
     if found is None or found[0] != key:
         params = _params_of(optimizer)
@@ -250,7 +248,7 @@ def _reset(optimizer: Any, wirings: Optional[Sequence[Any]] = None) -> int:
     for w, step_params in _step_params(optimizer, wirings):
         done += w.reset(step_params)
     if any(u.traced for u in list(_hook.units)):
-        done += _local.reset(optimizer)
+        done += _hook.local.reset(optimizer)
     _hook.last_reset = done
     return done
 
@@ -300,7 +298,7 @@ class UnusedGradsToNone:
         root = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         if not _unit.routing_modules(root) and not _functional.units_in(list(root.modules())):
             raise ValueError("model: contains no MaskedBranch or ResidualDropPath, so no parameter can be found unused")
-        existing = _wiring._wirings.get(model)
+        existing = _wiring.wiring_of(model)
         self._made = existing is None
         self._wiring = _wiring.wiring_for(model, not isinstance(model, nn.parallel.DistributedDataParallel), process_group,
                                           before_forward=True)

@@ -73,9 +73,9 @@ def as_if_under_ddp(root: nn.Module) -> Iterator[Simulated]:
     as under DDP without static_graph; the caller ties each forward's output with the yielded
     :meth:`Simulated.tie`. Afterwards the units decide again at their next call."""
     sim = Simulated(root)
-    _unit.running.append(sim)
+    _unit.DATA_PARALLEL.running.append(sim)
     try:
         yield sim
     finally:
-        _unit.running.remove(sim)
+        _unit.DATA_PARALLEL.running.remove(sim)
         _unit.forget_all(sim.units)
