@@ -1,5 +1,5 @@
 // A data-parallel wrapper's parameters by position, and the per-parameter loops of
-// maskedbranch's data-parallel layer (maskedbranch/_wiring.py), one call each:
+// maskedbranch's data-parallel layer (maskedbranch/_reducer.py), one call each:
 //
 //   undefined  which parameters of a set have no gradient (at a backward's start: cleared since
 //              the previous one);

@@ -18,7 +18,7 @@ EXPLICIT            ZEROS              ZEROS    NONE
 * LOCAL: one process, or a model that no wrapper runs (a rank-local model in a distributed job):
   nothing tied, as with if/else. DDP_FIND_UNUSED: DDP's graph walk finds the dead parameters
   itself and leaves a gradient that no rank produced untouched, as for if/else.
-* DDP (the C++ reducer): the wiring ties the dead parameters once per forward, with no gradient
+* DDP (the C++ reducer): the reducer ties the dead parameters once per forward, with no gradient
   (DDP fills zeros into its buckets); DDP_STATIC learns from the first step which parameters
   get a hook and needs a defined gradient for them, so the wrapper tie gives zeros.
 * PYTHON_REDUCER (compiled autograd): every rank must accumulate the same parameters in the same
@@ -29,10 +29,10 @@ EXPLICIT            ZEROS              ZEROS    NONE
 
 Under a wrapper (every context but LOCAL and DDP_FIND_UNUSED) the "auto" units' usage
 is reduced after each forward of the wrapper and the gradients that no rank used are reset to
-``None`` before the step (maskedbranch/_wiring.py), where if/else leaves ``None``.
+``None`` before the step (maskedbranch/_reducer.py), where if/else leaves ``None``.
 
 The context is found once per unit and wrapper: the wrapper that pushed itself on
-``_unit.DATA_PARALLEL.running`` (every wired wrapper does, while its forward runs) or the DDP whose forward
+``_unit.DATA_PARALLEL.running`` (every wrapper with a reducer does, while its forward runs) or the DDP whose forward
 runs; else, in a distributed job, a DDP or FSDP2 module whose forward is on the Python stack
 (``_compat.wrapper_on_stack``, a look that runs when a unit decides, never per call).
 """
@@ -72,13 +72,13 @@ TABLE: Dict[str, Tuple[Any, Any, Any]] = {
     EXPLICIT: (Tying.ZEROS, Tying.ZEROS, Tying.NONE),
 }
 REDUCED = frozenset((DDP, DDP_STATIC, PYTHON_REDUCER, FSDP2, EXPLICIT))
-"""Contexts whose wiring reduces the usage of "auto" units and resets what no rank used."""
+"""Contexts whose reducer reduces the usage of "auto" units and resets what no rank used."""
 
 
 
 
 def context_of(wrapper: nn.Module, explicit_kind: bool) -> str:
-    """The context of a wired wrapper, read from its settings (once per wiring)."""
+    """The context of a wrapper with a reducer, read from its settings (once per reducer)."""
     if explicit_kind:
         return EXPLICIT
     if isinstance(wrapper, nn.parallel.DistributedDataParallel):

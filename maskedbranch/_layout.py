@@ -1,4 +1,4 @@
-"""What a wiring reduces (maskedbranch/_wiring.py) and over which process group: for the
+"""What a reducer reduces (maskedbranch/_reducer.py) and over which process group: for the
 parameters of the data-parallel wrapper, in its ``named_parameters()`` order (the same on every
 rank), which ones this rank's forward used, as bit sets (Python ints, bit k: parameter k).
 
@@ -67,7 +67,7 @@ class Layout:
         self.size = len(named)
         self.nbytes = (self.size + 7) // 8
         # by position, the tensor whose gradient a step reads (an optimizer may hold another
-        # object than the wrapper's: FSDP2's sharded parameter; the wiring sets it)
+        # object than the wrapper's: FSDP2's sharded parameter; the reducer sets it)
         self.table = _ops.parameter_table(self.params)
         index = {n: k for k, n in enumerate(self.names)}
         position = {id(p): k for k, (_, p) in enumerate(named)}
@@ -112,12 +112,12 @@ class Layout:
         """No unit changed since the layout was made (maskedbranch/_unit.py, ``forget``)."""
         return all(u.version == v for u, v in zip(self.units, self.versions))
 
-    def take(self, wiring: Any, tyings: tuple, keep_records: bool = False) -> Tuple[int, int, List[Tensor]]:
+    def take(self, reducer: Any, tyings: tuple, keep_records: bool = False) -> Tuple[int, int, List[Tensor]]:
         """What the forward that just ran on this rank used: (used bits, conditional bits), and
         the parameters the wrapper ties into its outputs. The units' records are cleared (unless
         ``keep_records``: the doctor reads them afterwards).
 
-        The parameters to tie: per unit called in the forward and decided for ``wiring`` in one
+        The parameters to tie: per unit called in the forward and decided for ``reducer`` in one
         of ``tyings``, those of its groups that did not run (less any that a group that ran
         shares; compiled units ran every branch in their graph). A unit the forward never called
         is not tied, as a module never called is not: its branches may have been called directly
@@ -154,7 +154,7 @@ class Layout:
                     inner |= at
             used |= entry[0] & ~inner
             cond |= entry[1] & ~inner
-            if entry[2] and u.wiring is wiring and u.tying in tyings and not u.traced:
+            if entry[2] and u.reducer is reducer and u.tying in tyings and not u.traced:
                 dead.extend(entry[2])
         return used & self.resettable, cond & self.resettable & ~used, dead
 

@@ -109,7 +109,7 @@ class Call(NamedTuple):
     maskedbranch/_unit.py) says whether the call ties the parameters of the branches that did
     not run (``tying.call_ties``: None no, False with undefined gradients, True with zeros) or runs
     them on aliases; ``base`` and ``scale`` as in :func:`route`; ``signatures``: the unit's
-    learned output signatures; ``where``: the name in messages; ``wiring``: the unit's wiring,
+    learned output signatures; ``where``: the name in messages; ``reducer``: the unit's reducer,
     when a call must launch the reduction of a forward that its wrapper's hooks missed;
     ``drawn``: the gate is a drop path's own draw (0 or -1 per row), valid by construction:
     compiled, its padded plan is made from it directly, without the plan that checks a user's
@@ -120,7 +120,7 @@ class Call(NamedTuple):
     scale: Any = 1.0
     signatures: Optional[Signatures] = None
     where: str = "branches"
-    wiring: Any = None
+    reducer: Any = None
     drawn: bool = False
 
 
@@ -159,7 +159,7 @@ def route(table: Branches, x: Tensor, gate: Any, args: Tuple[Any, ...] = (), kwa
         ran = 1 << k
     else:
         out, ran = _no_branch(table, x, gate, args, kwargs, call.tying, call.base, call.signatures, call.where), 0
-    return (out if compiling else _fallback_hook(out, call.tying, call.wiring)), ran
+    return (out if compiling else _fallback_hook(out, call.tying, call.reducer)), ran
 
 
 def _plan(gate: Tensor, n: int, x: Tensor, drawn: bool, compiling: bool) -> tuple:
@@ -239,11 +239,11 @@ def _combine(live: Dict[int, Tensor], n: int, plan: _ops.Plan, weights: Optional
     return _autograd.combine(ys, plan, weights=weights, base=base, tied=tied, zeros=bool(zeros))
 
 
-def _fallback_hook(out: Tensor, tying: Tying, wiring: Any) -> Tensor:
-    """A call of a forward whose wrapper was wired during it (its forward hook does not run):
-    the reduction of that forward starts from the backward (maskedbranch/_wiring.py)."""
-    if wiring is not None and tying.call_ties is not None and getattr(wiring, "needs_first", False):
-        wiring.first_forward_hook(out)
+def _fallback_hook(out: Tensor, tying: Tying, reducer: Any) -> Tensor:
+    """A call of a forward whose wrapper got its reducer during it (its forward hook does not run):
+    the reduction of that forward starts from the backward (maskedbranch/_reducer.py)."""
+    if reducer is not None and tying.call_ties is not None and getattr(reducer, "needs_first", False):
+        reducer.first_forward_hook(out)
     return out
 
 

@@ -11,7 +11,7 @@ block, the record of the functional forms) owns one unit, which holds
   whole-batch choice between them (maskedbranch/_structure.py, maskedbranch/_signatures.py,
   maskedbranch/_choice.py), dropped when its own module changes.
 
-The decision itself belongs to the data-parallel layer (maskedbranch/_wiring.py and
+The decision itself belongs to the data-parallel layer (maskedbranch/_reducer.py and
 maskedbranch/_decide.py), which imports this module and plugs its decision function into
 :data:`DATA_PARALLEL` when it is imported; nothing here imports it. Per call, a unit only compares
 the wrapper whose forward runs (:func:`current_wrapper`) with the one it decided for.
@@ -45,7 +45,7 @@ class Tying(enum.IntEnum):
     """Not tied: ``.grad`` stays as it was, exactly as with if/else (one process, a model no wrapper
     runs, DDP with ``find_unused_parameters=True``, whose graph walk finds them itself)."""
     AT_WRAPPER = 1
-    """Tied once per forward of the wrapper, by its wiring, with no gradient (DDP's C++ reducer,
+    """Tied once per forward of the wrapper, by its reducer, with no gradient (DDP's C++ reducer,
     which fills zeros into its buckets): the routed call itself only records what ran."""
     AT_WRAPPER_ZEROS = 2
     """As AT_WRAPPER, with zero gradients (DDP ``static_graph``, which needs a defined gradient)."""
@@ -98,8 +98,8 @@ def materialize_name(value: Optional[bool]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Which wrapper's forward runs: the wired wrappers push themselves on ``DATA_PARALLEL.running``
-# while their forward runs (maskedbranch/_wiring.py); a DDP module that is not wired yet is read
+# Which wrapper's forward runs: the wrappers with a reducer push themselves on ``DATA_PARALLEL.running``
+# while their forward runs (maskedbranch/_reducer.py); a DDP module that has no reducer yet is read
 # from DDP itself.
 
 
@@ -138,9 +138,9 @@ def _decide_alone(unit: "RoutingUnit", wrapper: Any) -> Tying:
 class _DataParallelLayer:
     """The seam to the data-parallel layer: ``running``, the wrappers whose forward runs, innermost
     last (each pushes itself); and what the layer plugs in when it is imported:
-    ``decide(unit, wrapper) -> Tying`` (decides, wires the wrapper, settles the unit;
-    maskedbranch/_wiring.py), ``created(unit)`` (a unit exists) and ``needed()`` (something now
-    needs the optimizer step pre-hook: a wrapper was wired, or a graph that gives dead branches
+    ``decide(unit, wrapper) -> Tying`` (decides, gives the wrapper its reducer, settles the unit;
+    maskedbranch/_reducer.py), ``created(unit)`` (a unit exists) and ``needed()`` (something now
+    needs the optimizer step pre-hook: a wrapper got a reducer, or a graph that gives dead branches
     zeros was compiled; maskedbranch/unused_grads.py). A model that runs in one process, eagerly,
     under no wrapper needs nothing process-wide."""
 
@@ -170,7 +170,7 @@ class RoutingUnit:
 
     __slots__ = (
         "owner", "where", "materialize",
-        "wrapper_id", "tying", "row", "wiring", "probe", "version",
+        "wrapper_id", "tying", "row", "reducer", "probe", "version",
         "bits", "called", "cond", "held", "seen", "traced",
         "table", "signatures", "choice", "int_graphs", "__weakref__",
     )
@@ -182,9 +182,9 @@ class RoutingUnit:
         self.wrapper_id = 0
         self.tying: Optional[Tying] = None  # None: not decided (the next call decides)
         self.row: tuple = ()  # the decided tyings for "auto", "zeros", "none" (a str: refused)
-        self.wiring: Any = None  # the wiring of the wrapper decided for (maskedbranch/_wiring.py)
+        self.reducer: Any = None  # the reducer of the wrapper decided for (maskedbranch/_reducer.py)
         self.probe: Optional[Tuple[dict, str, Any]] = None
-        self.version = 0  # advanced by every change of the owner: a wiring's layout of it is stale
+        self.version = 0  # advanced by every change of the owner: a reducer's layout of it is stale
         self.bits = 0
         self.called = False  # a call ran no group (no row reached a branch): nonzero bits say it otherwise
         self.cond = 0
@@ -211,7 +211,7 @@ class RoutingUnit:
         w = running[-1] if running else _compat.active_ddp()
         tying = self.tying
         if w is None:
-            if tying is not None and (self.wiring is None or self.wiring.alive()):
+            if tying is not None and (self.reducer is None or self.reducer.alive()):
                 probe = self.probe
                 if probe is None or probe[0].get(probe[1]) is probe[2]:
                     return tying
@@ -219,13 +219,13 @@ class RoutingUnit:
             return tying
         return DATA_PARALLEL.decide(self, w)
 
-    def settle(self, wiring: Any, wrapper_id: int, row: tuple) -> None:
+    def settle(self, reducer: Any, wrapper_id: int, row: tuple) -> None:
         """Store a decision of the data-parallel layer: ``row``, the tyings for each
         ``materialize_grads`` setting ("auto", "zeros", "none"; a string is a refusal's
         message), of which the unit's own setting picks one; and what shows a later change."""
         self.tying = None
         tying = tying_in(row, self.materialize, self.where)
-        self.wiring, self.wrapper_id, self.row, self.tying = wiring, wrapper_id, row, tying
+        self.reducer, self.wrapper_id, self.row, self.tying = reducer, wrapper_id, row, tying
         self.probe = _probe_of(self.owner())
 
     def tying_for(self, materialize: Optional[bool]) -> Tying:
@@ -236,8 +236,8 @@ class RoutingUnit:
     def forget(self) -> None:
         """The owner changed (a branch added or replaced, ``.to()``, ``load_state_dict``, a
         LayerDrop owner's parameters became a group), or the wrapper decided for is gone: decide
-        again at the next call, with a new branch table; a wiring's layout of the unit is stale."""
-        self.wiring = None
+        again at the next call, with a new branch table; a reducer's layout of the unit is stale."""
+        self.reducer = None
         self.tying = None
         self.table = None
         self.choice = None

@@ -167,7 +167,7 @@ class MaskedBranch(_structure.RoutingModuleList):
                 _route.record(unit, chosen[1])
                 return chosen[0]
         call = _route.Call(tying, signatures=None if compiling else unit.signatures,
-                           wiring=None if compiling else unit.wiring)
+                           reducer=None if compiling else unit.reducer)
         out, ran = _route.route(self._branches(), x, gate, args, kwargs, call)
         _route.record(unit, ran)
         return out

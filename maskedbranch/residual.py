@@ -68,7 +68,7 @@ def _fixed(x: Tensor, branch: Callable, args, kwargs, keep_prob: float, scale_by
 def _residual(
     x: Tensor, table: _structure.Branches, args: Tuple[Any, ...], kwargs: Dict[str, Any], drop_prob: Any,
     training: bool, mode: str, scale_by_keep: bool, generator: Optional[torch.Generator], kept: str,
-    tie: Callable[[], Tying], wiring: Any = None, stateless: Optional[bool] = None,
+    tie: Callable[[], Tying], reducer: Any = None, stateless: Optional[bool] = None,
 ) -> Tuple[Tensor, Any]:
     """The output, and which groups ran (for the unit's record). ``tie()``: the unit's tying
     (maskedbranch/_unit.py), asked once the call routes."""
@@ -90,7 +90,7 @@ def _residual(
     if out is not None:
         return out, ran
     return _route.route(table, x, gate, args, kwargs,
-                        _route.Call(tie(), base=x, scale=scale, where="branch", wiring=wiring, drawn=True))
+                        _route.Call(tie(), base=x, scale=scale, where="branch", reducer=reducer, drawn=True))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,7 +273,7 @@ def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, a
         return unit.tying_for(materialize_grads)
 
     out, ran = _residual(x, table, tuple(args), dict(kwargs or {}), p, training, mode, scale_by_keep, generator,
-                         kept, tie, unit.wiring)
+                         kept, tie, unit.reducer)
     if materialize_grads is None and module and owner is None:
         _route.record(unit, ran)  # for the reset of unused gradients
     return out
@@ -377,7 +377,7 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
             table.skippable = True
         out, ran = _residual(
             x, table, args, kwargs, p, self.training, mode, self.scale_by_keep, self.generator, kept,
-            self._tie, None if compiling else unit.wiring,
+            self._tie, None if compiling else unit.reducer,
         )
         if not isinstance(x, torch.fx.Proxy):
             _route.record(unit, ran)

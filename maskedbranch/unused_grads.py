@@ -7,15 +7,15 @@ branches that did not run a gradient so that the wrapper's reduction works
 (maskedbranch/_decide.py), and the wrapper writes zeros for a branch no rank ran; in a
 compiled graph every branch runs, on no rows when it is dead, so its parameters get zeros too.
 Which ones no rank used is decided where every rank takes part, after each forward of the
-wrapper (maskedbranch/_wiring.py); in one process and in a model that no wrapper runs, from the
+wrapper (maskedbranch/_reducer.py); in one process and in a model that no wrapper runs, from the
 module's own record. The step only reads those decisions: no collective runs in
 ``optimizer.step()``, so ZeRO's per-rank optimizers, several optimizers, optimizers stepped on
 some ranks only and LBFGS closures all work.
 
 What is installed: one optimizer step pre-hook (``torch.optim.optimizer.
 register_optimizer_step_pre_hook``), from the moment something needs it (a routing module made
-in a distributed job, a wrapper wired, a routing module compiled) until the last routing module
-and wiring are gone (:func:`uninstall` removes it by hand). A model that trains in one process,
+in a distributed job, a wrapper given a reducer, a routing module compiled) until the last routing module
+and reducer are gone (:func:`uninstall` removes it by hand). A model that trains in one process,
 eagerly, installs nothing process-wide: if/else leaves its gradients as they are, and so does the
 routing there. For an optimizer that holds none of their parameters the hook answers after one
 dictionary lookup; it touches only gradients of branch parameters. A gradient is set to ``None`` only where if/else leaves ``None``: when it is not the
@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import optimizer as _optimizer
 
-from . import _functional, _unit, _wiring
+from . import _functional, _unit, _reducer
 from ._unit import RoutingUnit
 
 __all__ = ["UnusedGradsToNone", "unused_grads_to_none", "uninstall"]
@@ -44,17 +44,18 @@ __all__ = ["UnusedGradsToNone", "unused_grads_to_none", "uninstall"]
 class _StepHook:
     """The one optimizer step pre-hook and the state it owns: the routing units alive (counted,
     so that the hook goes with the last one), its handle while installed, per optimizer what a
-    step reads in each wiring, the optimizers that an explicit handle serves, how many
-    gradients the last step reset, and the reset of the units no wrapper runs (``local``). With it comes the module registration hook that wires a DDP
-    module when it is built (it runs when a module is assigned as another's attribute, at
-    construction, never in a forward, and sees ``DDP.module`` set)."""
+    step reads in each reducer, the optimizers that an explicit handle serves, how many
+    gradients the last step reset, and the reset of the units no wrapper runs (``local``). With
+    it comes the module registration hook that gives a DDP module its reducer when it is built
+    (it runs when a module is assigned as another's attribute, at construction, never in a
+    forward, and sees ``DDP.module`` set)."""
 
     def __init__(self) -> None:
         self.units: "weakref.WeakSet[RoutingUnit]" = weakref.WeakSet()
         self.alive = 0  # (their finalizers count down)
         self.handle: Any = None
-        # optimizer -> ((its parameter groups' lengths, the wirings' version, the wirings), per
-        # wiring what a step reads there), made when its groups or the wirings change
+        # optimizer -> ((its parameter groups' lengths, the reducers' version, the reducers), per
+        # reducer what a step reads there), made when its groups or the reducers change
         self.params: "weakref.WeakKeyDictionary[Any, Tuple[tuple, list]]" = weakref.WeakKeyDictionary()
         self.explicit: "weakref.WeakKeyDictionary[Any, UnusedGradsToNone]" = weakref.WeakKeyDictionary()
         self.last_reset = 0
@@ -85,14 +86,14 @@ def _registered(parent: nn.Module, name: str, child: Any) -> None:
         return  # (a graph module built while a graph is traced: no DDP is made there)
     if name == "module" and isinstance(parent, nn.parallel.DistributedDataParallel) and isinstance(child, nn.Module):
         if _unit.routing_modules(child):
-            _wiring.wiring_for(parent, before_forward=True)
+            _reducer.reducer_for(parent, before_forward=True)
 
 
 def _created(unit: RoutingUnit) -> None:
     """Each routing unit, when it is created (its module made or copied). In a distributed job a
-    DDP module may be built around it next: the watch that wires it at construction
+    DDP module may be built around it next: the watch that gives it its reducer at construction
     and the step pre-hook are installed now. Elsewhere they come when
-    needed (a model built before ``init_process_group`` gets its DDP wired at the first forward)."""
+    needed (a model built before ``init_process_group`` gets its DDP's reducer at the first forward)."""
     _hook.units.add(unit)
     _hook.alive += 1
     weakref.finalize(unit, _gone)
@@ -105,20 +106,20 @@ def _needed() -> None:
     _hook.watch_ddp_construction()
 
 
-# plain functions on the instance, as _wiring.py sets decide
+# plain functions on the instance, as _reducer.py sets decide
 _unit.DATA_PARALLEL.created = _created
 _unit.DATA_PARALLEL.needed = _needed
 
 
 def _gone() -> None:
     _hook.alive -= 1
-    if _hook.alive <= 0 and not _wiring.all_wirings():
+    if _hook.alive <= 0 and not _reducer.all_reducers():
         uninstall()
         _hook.unwatch_ddp_construction()
 
 
 def uninstall() -> None:
-    """Remove the step pre-hook (it comes back with the next routing module or wiring)."""
+    """Remove the step pre-hook (it comes back with the next routing module or reducer)."""
     _hook.uninstall()
 
 
@@ -151,7 +152,7 @@ class _LocalScope:
     @staticmethod
     def units() -> List[RoutingUnit]:
         """Compiled "auto" units that no wrapper runs: their graphs gave dead branches zeros."""
-        return [u for u in list(_hook.units) if u.traced and u.materialize is None and u.wiring is None]
+        return [u for u in list(_hook.units) if u.traced and u.materialize is None and u.reducer is None]
 
     def params_of(self, optimizer: Any, units: List[RoutingUnit]) -> Tuple[tuple, list]:
         lengths = tuple(len(g["params"]) for g in optimizer.param_groups)
@@ -209,14 +210,15 @@ def _params_of(optimizer: Any) -> List[Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def _step_params(optimizer: Any, wirings: Sequence[Any]) -> List[Tuple[Any, Any]]:
-    """Per wiring, what a step of this optimizer reads there (cached per optimizer until its
-    parameter groups or the wirings change)."""
-    key = (tuple(len(g["params"]) for g in optimizer.param_groups), _wiring.WIRINGS.version, tuple(map(id, wirings)))
+def _step_params(optimizer: Any, reducers: Sequence[Any]) -> List[Tuple[Any, Any]]:
+    """Per reducer, what a step of this optimizer reads there (cached per optimizer until its
+    parameter groups or the reducers change)."""
+    key = (tuple(len(g["params"]) for g in optimizer.param_groups), _reducer.REDUCERS.version,
+           tuple(map(id, reducers)))
     found = _hook.params.get(optimizer)
     if found is None or found[0] != key:
         params = _params_of(optimizer)
-        held = [(w, sp) for w in wirings for sp in (w.step_params(params),) if sp is not None]
+        held = [(w, sp) for w in reducers for sp in (w.step_params(params),) if sp is not None]
         found = (key, held)
         _hook.params[optimizer] = found
     return found[1]
@@ -239,13 +241,13 @@ def _check_fsdp2() -> None:
             )
 
 
-def _reset(optimizer: Any, wirings: Optional[Sequence[Any]] = None) -> int:
-    """Reset this optimizer's unused gradients: those of the given wirings (default: every
+def _reset(optimizer: Any, reducers: Optional[Sequence[Any]] = None) -> int:
+    """Reset this optimizer's unused gradients: those of the given reducers (default: every
     automatic one, read now: a closure may have made one) and of the local scope."""
-    if wirings is None:
-        wirings = [w for w in _wiring.all_wirings() if not w.explicit_kind]
+    if reducers is None:
+        reducers = [w for w in _reducer.all_reducers() if not w.explicit_kind]
     done = 0
-    for w, step_params in _step_params(optimizer, wirings):
+    for w, step_params in _step_params(optimizer, reducers):
         done += w.reset(step_params)
     if any(u.traced for u in list(_hook.units)):
         done += _hook.local.reset(optimizer)
@@ -298,17 +300,17 @@ class UnusedGradsToNone:
         root = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         if not _unit.routing_modules(root) and not _functional.units_in(list(root.modules())):
             raise ValueError("model: contains no MaskedBranch or ResidualDropPath, so no parameter can be found unused")
-        existing = _wiring.wiring_of(model)
+        existing = _reducer.reducer_of(model)
         self._made = existing is None
-        self._wiring = _wiring.wiring_for(model, not isinstance(model, nn.parallel.DistributedDataParallel), process_group,
-                                          before_forward=True)
+        explicit_kind = not isinstance(model, nn.parallel.DistributedDataParallel)
+        self._reducer = _reducer.reducer_for(model, explicit_kind, process_group, before_forward=True)
         if process_group is not None:
-            self._wiring.process_group = process_group
-        if not self._wiring.everything:
-            self._wiring.everything = True  # modules with explicit settings too
-            self._wiring.layout = None
+            self._reducer.process_group = process_group
+        if not self._reducer.everything:
+            self._reducer.everything = True  # modules with explicit settings too
+            self._reducer.layout = None
         for unit in _functional.units_in(list(root.modules())):
-            self._wiring.decide(unit)
+            self._reducer.decide(unit)
         self._optimizer = weakref.ref(optimizer)
         self._handle = optimizer.register_step_pre_hook(self._before_step)
         _hook.explicit[optimizer] = self
@@ -316,7 +318,7 @@ class UnusedGradsToNone:
 
     def _before_step(self, optimizer, args, kwargs) -> Optional[Tuple[tuple, dict]]:
         def reset():
-            self.last_reset = _reset(optimizer, [self._wiring])
+            self.last_reset = _reset(optimizer, [self._reducer])
 
         return _after_closure(optimizer, args, kwargs, reset)
 
@@ -326,7 +328,7 @@ class UnusedGradsToNone:
         if optimizer is not None and _hook.explicit.get(optimizer) is self:
             del _hook.explicit[optimizer]
         if self._made:
-            self._wiring.remove()
+            self._reducer.remove()
 
 
 def unused_grads_to_none(

@@ -235,7 +235,7 @@ def test_a_drop_path_graph_has_one_plan_and_one_row_count():
 
 
 def test_the_data_parallel_seam_holds_plain_functions():
-    """maskedbranch/_wiring.py and unused_grads.py plug their functions into the routing units'
+    """maskedbranch/_reducer.py and unused_grads.py plug their functions into the routing units'
     seam (``_unit.DATA_PARALLEL``) as plain functions: a staticmethod object stored on an
     instance is not callable before Python 3.10, and Dynamo cannot trace a call of one (a graph
     break in every compiled call that decides, as the transformers patch's layer loop does)."""

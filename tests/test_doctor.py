@@ -409,7 +409,7 @@ def assert_no_removal_advice(report):
 @pytest.mark.parametrize("form", ["functional", "module"])
 def test_routed_experts_are_safe_in_every_form(form):
     """masked_branch's module branches are units of no module: the simulated DDP wrapper ties
-    the ones that did not run, as the real wiring does, exactly as for MaskedBranch."""
+    the ones that did not run, as the real reducer does, exactly as for MaskedBranch."""
     report = find_divergent_parameters(fx.Experts(form), [fx.expert_rows] * 2)
     assert report.safe and report.exit_code == 0, str(report)
     assert states(report) == EXPERT_STATES

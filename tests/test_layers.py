@@ -8,7 +8,7 @@ import os
 import maskedbranch
 
 PACKAGE = os.path.dirname(maskedbranch.__file__)
-DATA_PARALLEL = {"maskedbranch._decide", "maskedbranch._wiring", "maskedbranch._layout", "maskedbranch.unused_grads"}
+DATA_PARALLEL = {"maskedbranch._decide", "maskedbranch._reducer", "maskedbranch._layout", "maskedbranch.unused_grads"}
 # Above both layers: the package's face, and the doctor (it simulates a DDP job's wrapper).
 ABOVE = ("maskedbranch", "maskedbranch.doctor")
 

@@ -2,9 +2,9 @@
 
 A model that trains in one process, eagerly, under no wrapper installs nothing that other models
 and optimizers of the process then run: no optimizer step pre-hook, no module registration hook.
-The step pre-hook comes when something needs it (a wrapper wired, a routing module compiled, a
+The step pre-hook comes when something needs it (a wrapper given a reducer, a routing module compiled, a
 routing module made in a distributed job); a model built before ``init_process_group`` gets its
-DDP wired at the first forward and trains as if/else with ``find_unused_parameters=True``.
+DDP's reducer made at the first forward and trains as if/else with ``find_unused_parameters=True``.
 
 The one-process checks run in a fresh interpreter each: other tests' modules keep the hook alive.
 """
@@ -25,7 +25,7 @@ PRELUDE = """
 import torch
 from torch import nn
 import maskedbranch as mb
-from maskedbranch import _wiring, unused_grads
+from maskedbranch import _reducer, unused_grads
 
 def installed():
     return unused_grads._hook.handle is not None, unused_grads._hook.ddp_watch is not None

@@ -287,14 +287,14 @@ def test_functional_call_ties_the_swapped_in_tensors():
 
 def test_the_step_hook_goes_with_the_last_routing_module():
     """Importing maskedbranch registers no hook; the optimizer step pre-hook, once something
-    needed it (a wiring), goes when the last routing module and wiring are gone (when it comes:
+    needed it (a reducer), goes when the last routing module and reducer are gone (when it comes:
     tests/test_process_wide_hooks.py)."""
     import gc
 
-    from maskedbranch import _wiring
+    from maskedbranch import _reducer
 
     gc.collect()
-    if unused_grads._hook.units or _wiring.all_wirings():
+    if unused_grads._hook.units or _reducer.all_reducers():
         pytest.skip("routing modules of other tests are still alive")
     assert unused_grads._hook.handle is None
     m = MaskedBranch([nn.Linear(2, 2)])
@@ -343,14 +343,14 @@ def test_int_gate_in_a_training_loop_calls_the_branch_and_decides_once(monkeypat
     """A routed int-gate call between optimizer steps, as users train: the chosen branch is
     called directly (no routing path), whatever the optimizer did before, and each module decides
     what its dead parameters get once, not per call or per step."""
-    from maskedbranch import _route, _unit, _wiring
+    from maskedbranch import _route, _unit, _reducer
 
     torch.manual_seed(7)
     layers = nn.ModuleList(MaskedBranch([mlp() for _ in range(N)]) for _ in range(4))
     opt = torch.optim.AdamW(layers.parameters(), lr=1e-3)
     routed = _Counting(monkeypatch, _route, "route")
-    decided = _Counting(monkeypatch, _wiring, "decide")
-    monkeypatch.setattr(_unit.DATA_PARALLEL, "decide", _wiring.decide)  # the seam holds the function itself
+    decided = _Counting(monkeypatch, _reducer, "decide")
+    monkeypatch.setattr(_unit.DATA_PARALLEL, "decide", _reducer.decide)  # the seam holds the function itself
     x = torch.randn(ROWS, D)
     for step in range(6):
         h = x

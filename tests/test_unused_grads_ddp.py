@@ -1,4 +1,4 @@
-"""Resetting unused gradients to None in a 2-rank gloo job (maskedbranch/_wiring.py): usage is
+"""Resetting unused gradients to None in a 2-rank gloo job (maskedbranch/_reducer.py): usage is
 reduced after each forward of the data-parallel wrapper, never in ``optimizer.step()``, and only
 for the model it serves. Each case trains several steps against the if/else model under
 ``DistributedDataParallel(find_unused_parameters=True)`` (parameters and gradients equal, None
@@ -402,10 +402,10 @@ def per_call_path(rank, group):
     """Int-gate calls under DDP in a training loop (AdamW, 6 steps): the chosen branch is called
     directly (no routing path), each module decides once for the wrapper, and the dead branches'
     parameters are tied by the wrapper (DDP's reduction finishes every step)."""
-    from maskedbranch import _route, _unit, _wiring
+    from maskedbranch import _route, _unit, _reducer
 
     counts = {"route": 0, "decide": 0}
-    route, decide = _route.route, _wiring.decide
+    route, decide = _route.route, _reducer.decide
 
     def counted_route(*args, **kwargs):
         counts["route"] += 1

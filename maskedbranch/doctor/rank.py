@@ -45,7 +45,7 @@ def run_rank(model: nn.Module, params: List[Tensor], spec: Any, rank: int,
              loss_fn: Optional[Callable[[Any], Tensor]], note: Callable[[str], None],
              wrapper_tie: Callable[[Any], Any] = lambda out: out) -> List[str]:
     """The state of each of ``params`` on this rank (GRAD, ZERO, TIED or UNUSED). ``wrapper_tie``:
-    what the DDP wrapper ties into the forward's output (maskedbranch/_wiring.py)."""
+    what the DDP wrapper ties into the forward's output (maskedbranch/_reducer.py)."""
     states, stage = [UNUSED] * len(params), "inputs"
     try:
         args, kwargs = _as_call(resolve(spec, rank))

@@ -2,7 +2,7 @@
 :func:`as_if_under_ddp` the routing units of a model decide as under DDP (its C++ reducer, no
 static_graph), through the data-parallel layer's one seam for a stand-in wrapper
 (``_unit.StandIn``), and :meth:`Simulated.tie` ties into each forward's output what a DDP
-wiring would."""
+reducer would."""
 from __future__ import annotations
 
 import contextlib
@@ -11,13 +11,13 @@ from typing import Any, Dict, Iterator
 
 from torch import nn
 
-from .. import _autograd, _decide, _layout, _unit, _wiring
+from .. import _autograd, _decide, _layout, _unit, _reducer
 from .._unit import Tying, RoutingUnit
 
 
 class Simulated(_unit.StandIn):
     """Stands for the DDP wrapper of ``root`` while :func:`as_if_under_ddp` runs: its units decide
-    as under DDP, and :meth:`tie` ties into a forward's output what a DDP wiring would."""
+    as under DDP, and :meth:`tie` ties into a forward's output what a DDP reducer would."""
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
@@ -36,15 +36,15 @@ class Simulated(_unit.StandIn):
         as they are."""
         units = [m._unit for m in _unit.routing_modules(self.root)]
         for u in units:
-            if u.wiring is not self or u.tying is None:
+            if u.reducer is not self or u.tying is None:
                 self.decide_for(u)
         # The functional forms' units belong to no module of the root, so routing_modules cannot
-        # find them: as a DDP wiring keeps them in ``extra``, take every one that decided here.
+        # find them: as a DDP reducer keeps them in ``extra``, take every one that decided here.
         units += [u for u in self.units if not isinstance(u.owner(), (nn.Module, type(None))) and u.groups()]
-        units = [u for u in units if u.tying in _wiring.TIED_AT_WRAPPER]
+        units = [u for u in units if u.tying in _reducer.TIED_AT_WRAPPER]
         if not units:
             return output
-        dead = _layout.Layout(self.root, units).take(self, _wiring.TIED_AT_WRAPPER, keep_records=True)[2]
+        dead = _layout.Layout(self.root, units).take(self, _reducer.TIED_AT_WRAPPER, keep_records=True)[2]
         return _autograd.tie_outputs(output, dead, False) if dead else output
 
 

@@ -1,7 +1,7 @@
 """The machinery behind maskedbranch.integrations.transformers.patch: the layer list that draws
 LayerDrop as HF does (:class:`LayerDropList`), the stand-in for a dropped layer, and the owner's
 hooks that hold HF's own probability at a neutral value and record which units ran, for the
-reset of unused gradients (maskedbranch/_wiring.py).
+reset of unused gradients (maskedbranch/_reducer.py).
 
 Units of an owner, for the pruning: each layer, and the owner's other parameters. A forward's
 units count as used at the owner's next forward or when the wrapper takes them, unless a consumer
@@ -323,7 +323,7 @@ def _note_output(t: Tensor, held: Held) -> None:
 def _make_conditional(extras: List[Tensor]) -> None:
     """A forward that dropped every layer used its other inputs only through the tie: the units
     of the owner that produced one (an encoder) count only if its output gets a gradient from
-    elsewhere, as with if/else and find_unused_parameters=True (maskedbranch/_wiring.py reads
+    elsewhere, as with if/else and find_unused_parameters=True (maskedbranch/_reducer.py reads
     that from the gradients at the step)."""
     for t in {id(t): t for t in extras}.values():
         entry = _produced.get(id(t))
@@ -342,7 +342,7 @@ def _enter(owner: nn.Module, args: Any) -> None:
         return
     if layers._owner_module() is not owner:
         layers._owner = weakref.ref(owner)
-        layers._unit.forget()  # the owner's parameters became a group: wirings make their layouts again
+        layers._unit.forget()  # the owner's parameters became a group: reducers make their layouts again
     n = len(layers._modules)
     # What the forward runs: the owner's own parameters (unit n), and every layer unless it draws.
     layers._fwd = (1 << n) | ((1 << n) - 1) if torch.is_grad_enabled() else None
@@ -384,9 +384,9 @@ def _leave(owner: nn.Module, args: Any, output: Any) -> None:
     first = _first_tensor(output)
     if first is not None and first.requires_grad:
         _note_output(first, held)
-        wiring = layers._unit.wiring
-        if getattr(wiring, "needs_first", False):  # its wrapper was wired during this forward
-            wiring.first_forward_hook(first)
+        reducer = layers._unit.reducer
+        if getattr(reducer, "needs_first", False):  # its wrapper got its reducer during this forward
+            reducer.first_forward_hook(first)
 
 
 _HOOKED = "_maskedbranch_layerdrop_hooks"  # set on an owner once its hooks are registered

@@ -7,7 +7,7 @@ and DDP with ``find_unused_parameters=False`` fails at the second one.
 The patch ties it into the owner's output whenever the forward did not read it, under the same
 policy as a dropped layer (undefined gradients under DDP, zeros under FSDP2, nothing in one
 process), as a routing unit of its own: when no rank read it, its gradient is reset to ``None``
-before the step (maskedbranch/_wiring.py), as HF's model under ``find_unused_parameters=True``
+before the step (maskedbranch/_reducer.py), as HF's model under ``find_unused_parameters=True``
 leaves it.
 """
 from __future__ import annotations

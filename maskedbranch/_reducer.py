@@ -1,15 +1,18 @@
-"""The data-parallel layer: the wiring of each wrapper (a DDP module, an FSDP2 root, a model given
-to ``unused_grads_to_none``), which decides for the routing units it runs
+"""The data-parallel layer: one reducer per wrapper (a DDP module, an FSDP2 root, a model given
+to ``unused_grads_to_none``), which does for routed parameters what DDP's Reducer does with
+``find_unused_parameters=True``: it decides for the routing units its wrapper runs
 (maskedbranch/_decide.py), ties the dead parameters of its DDP units once per forward, reduces
 which parameters no rank used, and resets their gradients to ``None`` before the step.
 
 It imports the routing (maskedbranch/_unit.py) and plugs :func:`decide` into it; the routing never
-imports it. A wiring acts only through hooks on its own wrapper:
+imports it. A reducer acts only through hooks on its own wrapper, in phases (docs/design.md sets
+them beside DDP's):
 
-1. **Before each forward** (a forward pre-hook): the wrapper pushes itself on ``_unit.DATA_PARALLEL.running`` (so
-   a routed call compares one object with its unit's decision) and clears its units' records
-   (calls made since, outside its forward, such as a checkpoint's recomputation, do not count).
-   At the first forward it decides for every unit inside.
+1. **Before each forward** (a forward pre-hook): the wrapper pushes itself on
+   ``_unit.DATA_PARALLEL.running`` (so a routed call compares one object with its unit's
+   decision) and clears its units' records (calls made since, outside its forward, such as a
+   checkpoint's recomputation, do not count). At the first forward it decides for every unit
+   inside.
 2. **After each forward** (a forward hook: every rank runs the wrapper's forward, whatever its
    branches did), the groups that ran on this rank become bit sets over the wrapper's parameters
    (maskedbranch/_layout.py), one OR all-reduce of them starts on a CPU process group
@@ -23,11 +26,11 @@ imports it. A wiring acts only through hooks on its own wrapper:
    the reduced bytes: a parameter that no rank used since its gradient was cleared gets ``None``
    back. No collective runs in the step.
 
-A DDP module is wired when it is built around a model with routing units (a module registration
-hook, maskedbranch/unused_grads.py, sees ``DDP.module`` being set), so its hooks run from its
-first forward. Other wrappers are wired when a unit first runs under them; a DDP wired during
-its forward (the hook was not there) ties per call in that forward and reduces it from its
-backward.
+A DDP module gets its reducer when it is built around a model with routing units (a module
+registration hook, maskedbranch/unused_grads.py, sees ``DDP.module`` being set), so its hooks run
+from its first forward. Other wrappers get theirs when a unit first runs under them; a DDP given
+its reducer during its forward (the hook was not there) ties per call in that forward and
+reduces it from its backward.
 """
 from __future__ import annotations
 
@@ -48,40 +51,41 @@ _MAX_PENDING = 8  # forwards whose reduction stays unmerged before a backward or
 
 
 
-class _Wirings:
-    """Every wrapper's wiring (weakly keyed: a wiring goes with its wrapper), and a version
-    bumped when a wiring or a layout changes (the step hook's per-optimizer lists are read
+class _Reducers:
+    """Every wrapper's reducer (weakly keyed: a reducer goes with its wrapper), and a version
+    bumped when a reducer or a layout changes (the step hook's per-optimizer lists are read
     again)."""
 
     def __init__(self) -> None:
-        self.by_wrapper: "weakref.WeakKeyDictionary[nn.Module, Wiring]" = weakref.WeakKeyDictionary()
+        self.by_wrapper: "weakref.WeakKeyDictionary[nn.Module, Reducer]" = weakref.WeakKeyDictionary()
         self.version = 0
 
 
-WIRINGS = _Wirings()
+REDUCERS = _Reducers()
 
 TIED_AT_WRAPPER = (Tying.AT_WRAPPER, Tying.AT_WRAPPER_ZEROS)
 _PER_CALL = {Tying.AT_WRAPPER: Tying.NONE, Tying.AT_WRAPPER_ZEROS: Tying.ZEROS}
 
 
-def wiring_for(wrapper: nn.Module, explicit_kind: bool = False, process_group: Any = None, *, before_forward: bool = False) -> "Wiring":
-    """The wiring of ``wrapper`` (made on first use). ``before_forward``: made before the
+def reducer_for(wrapper: nn.Module, explicit_kind: bool = False, process_group: Any = None, *,
+                before_forward: bool = False) -> "Reducer":
+    """The reducer of ``wrapper`` (made on first use). ``before_forward``: made before the
     wrapper's forward started, so its hooks run for this forward too."""
-    found = WIRINGS.by_wrapper.get(wrapper)
+    found = REDUCERS.by_wrapper.get(wrapper)
     if found is None:
-        found = WIRINGS.by_wrapper[wrapper] = Wiring(wrapper, explicit_kind, process_group)
+        found = REDUCERS.by_wrapper[wrapper] = Reducer(wrapper, explicit_kind, process_group)
         found.needs_first = found.tied_per_call = not before_forward and not torch.compiler.is_compiling()
-        WIRINGS.version += 1
+        REDUCERS.version += 1
         _unit.DATA_PARALLEL.needed()  # its reset runs in the optimizer step pre-hook
     return found
 
 
-def wiring_of(wrapper: Any) -> Optional["Wiring"]:
-    return WIRINGS.by_wrapper.get(wrapper) if isinstance(wrapper, nn.Module) else None
+def reducer_of(wrapper: Any) -> Optional["Reducer"]:
+    return REDUCERS.by_wrapper.get(wrapper) if isinstance(wrapper, nn.Module) else None
 
 
-def all_wirings() -> List["Wiring"]:
-    return list(WIRINGS.by_wrapper.values())
+def all_reducers() -> List["Reducer"]:
+    return list(REDUCERS.by_wrapper.values())
 
 
 def _root_of(wrapper: nn.Module) -> nn.Module:
@@ -93,8 +97,8 @@ def _root_of(wrapper: nn.Module) -> nn.Module:
 
 
 def decide(unit: RoutingUnit, wrapper: Any) -> Tying:
-    """Decide ``unit``'s tying under ``wrapper`` (None: no wired wrapper's forward runs), store
-    it in the unit, and wire the wrapper if it is not yet."""
+    """Decide ``unit``'s tying under ``wrapper`` (None: no forward of a wrapper with a reducer
+    runs), store it in the unit, and give the wrapper its reducer if it has none yet."""
     if wrapper is None and _unit.distributed():
         wrapper = _compat.wrapper_on_stack()
     if isinstance(wrapper, _unit.StandIn):  # a wrapper simulated in one process (the doctor's): it decides
@@ -103,7 +107,7 @@ def decide(unit: RoutingUnit, wrapper: Any) -> Tying:
         unit.check_skippable()
         unit.settle(None, 0, _decide.TABLE[_decide.LOCAL])
         return unit.tying
-    return wiring_for(wrapper).decide(unit)
+    return reducer_for(wrapper).decide(unit)
 
 
 # A plain function on the instance (not a staticmethod object: not callable before Python 3.10, and
@@ -112,10 +116,10 @@ _unit.DATA_PARALLEL.decide = decide
 
 
 # ----------------------------------------------------------------------------------------------
-# The wiring.
+# The reducer.
 
 
-class Wiring:
+class Reducer:
     """See the module's docstring. ``explicit_kind``: made by ``unused_grads_to_none`` for a
     model that is not DDP or FSDP2; ``everything``: the units with an explicit
     ``materialize_grads`` are reduced and reset too (an explicit handle asked for them)."""
@@ -193,7 +197,7 @@ class Wiring:
             self.layout = Layout(root, units)
             self.seen = self.used = self.cond = self.cleared = 0
             self.pending = [p for p in self.pending if len(p[1]) == 2 * self.layout.nbytes]
-            WIRINGS.version += 1  # positions changed: the step hook's per-optimizer lists too
+            REDUCERS.version += 1  # positions changed: the step hook's per-optimizer lists too
         return self.layout
 
     def _group(self) -> Any:
@@ -208,9 +212,9 @@ class Wiring:
     # -- forward start ---------------------------------------------------------------------------
 
     def before_forward(self) -> None:
-        if self.needs_first:  # a forward this wiring missed the start of ran before: done with it
+        if self.needs_first:  # a forward this reducer missed the start of ran before: done with it
             self.launch_first()
-        if self.tied_per_call:  # its units decide again, now that this wiring's hooks run
+        if self.tied_per_call:  # its units decide again, now that this reducer's hooks run
             self.tied_per_call = False
             _unit.forget_all(self.units)
         layout = self._layout()
@@ -220,7 +224,7 @@ class Wiring:
     # -- forward end -----------------------------------------------------------------------------
 
     def after_forward(self, output: Any = None) -> Any:
-        # The forward that made this wiring ran this hook after all (torch < 2.7 compiles the
+        # The forward that made this reducer ran this hook after all (torch < 2.7 compiles the
         # registration that would have made it earlier), or a later forward came before any
         # backward: usage accumulates until taken, so one launch covers both. Two would let the
         # second's backward, finding gradients None, discard the first's usage.
@@ -247,7 +251,7 @@ class Wiring:
         return output if dead else None
 
     def first_forward_hook(self, out: Any) -> None:
-        """A forward that made this wiring ran no forward hook: every routed output of it gets
+        """A forward that made this reducer ran no forward hook: every routed output of it gets
         a one-shot gradient hook; the first to fire (in the backward, when the whole forward's
         usage is known) launches the forward's reduction, on every rank (under DDP with
         ``find_unused_parameters=False`` a gradient reaches some routed output on each)."""
@@ -297,7 +301,7 @@ class Wiring:
     def _backward_starts(self, number: int, sync: bool, grad: Any = None) -> None:
         entry = next((e for e in self.pending if e[2] == number), None)
         if entry is None or entry[3]:
-            return  # not this wiring's any more, or another output's hook came first
+            return  # not this reducer's any more, or another output's hook came first
         self._merge(lambda e: e[2] < number)
         if self._synced and self.layout is not None:
             bits = from_bytes(self.layout.table.undefined(self.layout.grouped_bytes))
@@ -410,14 +414,14 @@ class Wiring:
         for h in self._hooks:
             h.remove()
         w = self.ref()
-        if w is not None and WIRINGS.by_wrapper.get(w) is self:
-            del WIRINGS.by_wrapper[w]
-            WIRINGS.version += 1
+        if w is not None and REDUCERS.by_wrapper.get(w) is self:
+            del REDUCERS.by_wrapper[w]
+            REDUCERS.version += 1
         _unit.forget_all(self.units)
 
 
 class StepParams:
-    """An optimizer's parameters in one wiring's layout: by position, as a bit set, and those
+    """An optimizer's parameters in one reducer's layout: by position, as a bit set, and those
     outside every group (the check that DDP could finish its reduction)."""
 
     __slots__ = ("by_position", "bits", "others")
@@ -432,9 +436,9 @@ class StepParams:
 def _before_forward(module: nn.Module, args: Any) -> None:
     _unit.DATA_PARALLEL.running.append(module)
     if torch.is_grad_enabled():
-        wiring = WIRINGS.by_wrapper.get(module)
-        if wiring is not None:
-            wiring.before_forward()
+        reducer = REDUCERS.by_wrapper.get(module)
+        if reducer is not None:
+            reducer.before_forward()
 
 
 @torch.compiler.disable
@@ -446,5 +450,5 @@ def _after_forward(module: nn.Module, args: Any, output: Any) -> Any:
         running.remove(module)
     if output is None or not torch.is_grad_enabled():
         return None  # (None: also what a forward that raised gives this hook)
-    wiring = WIRINGS.by_wrapper.get(module)
-    return None if wiring is None else wiring.after_forward(output)
+    reducer = REDUCERS.by_wrapper.get(module)
+    return None if reducer is None else reducer.after_forward(output)
