@@ -18,9 +18,12 @@ the wrapper whose forward runs (:func:`current_wrapper`) with the one it decided
 
 Records: ``bits``, a Python int, in eager calls (one ``|=``); ``seen``, a small CPU tensor, in
 compiled graphs (an in-place op is data to torch.compile, where a Python attribute written per
-call would become a guard and recompile whenever the routing changes). ``held`` / ``cond``: the
-groups of a forward that count only if its output is used (a LayerDrop owner's,
-maskedbranch/integrations/_layerdrop.py).
+call would become a guard and recompile whenever the routing changes). ``cond``: groups that
+count as used only if a gradient reaches them from elsewhere (the reducer reads it at the
+step); ``held``: a record whose kind its maker decides after the call, settled by
+``held.settle(unit)`` when the record is taken (a LayerDrop owner's forward,
+maskedbranch/integrations/_layerdrop.py: used, or conditional once a decoder that dropped every
+layer turns out to have used the encoder only through its tie).
 """
 from __future__ import annotations
 
@@ -188,7 +191,7 @@ class RoutingUnit:
         self.bits = 0
         self.called = False  # a call ran no group (no row reached a branch): nonzero bits say it otherwise
         self.cond = 0
-        self.held: Optional[Held] = None
+        self.held: Any = None  # an object with settle(unit), or None
         self.seen = torch.zeros(_MIN_SLOTS, dtype=torch.uint8)
         self.traced = False  # set (by compiled code) once a compiled graph may have written seen
         self.table: Any = None  # the owner's branch table (maskedbranch/_structure.py), or None
@@ -290,18 +293,10 @@ class RoutingUnit:
             grown[: self.seen.shape[0]] = self.seen
             self.seen = grown
 
-    def hold(self, bits: int) -> "Held":
-        self.settle_held()
-        self.held = Held(bits)
-        return self.held
-
     def settle_held(self) -> None:
         held, self.held = self.held, None
         if held is not None:
-            if held.conditional:
-                self.cond |= held.bits
-            else:
-                self.bits |= held.bits
+            held.settle(self)
 
     def take(self) -> Tuple[int, int, bool]:
         """(groups that ran, groups that ran only conditionally, whether the owner was called)
@@ -331,15 +326,6 @@ class RoutingUnit:
         self.traced = False
         self.signatures = None
         self.int_graphs = 0
-
-
-class Held:
-    """The groups one forward of a module ran (see :class:`RoutingUnit`)."""
-
-    __slots__ = ("bits", "conditional")
-
-    def __init__(self, bits: int) -> None:
-        self.bits, self.conditional = bits, False
 
 
 def _probe_of(owner: Any) -> Optional[Tuple[dict, str, Any]]:

@@ -26,7 +26,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from .. import _compat, _structure, _unit
 from .._route import tie_unrun
-from .._unit import Held, Tying
+from .._unit import RoutingUnit, Tying
 from ._transformers_rules import Rule
 
 # ----------------------------------------------------------------------------------------------
@@ -297,6 +297,29 @@ def _other_inputs(owner: LayerDropList, args: tuple, kwargs: Dict[str, Any], tyi
     return others
 
 
+class Held:
+    """The groups one forward of an owner ran, as its unit's pending record (``unit.held``):
+    used, unless a later forward that dropped every layer used this one's output only through
+    its tie (``conditional``: used only if a gradient reaches it from elsewhere)."""
+
+    __slots__ = ("bits", "conditional")
+
+    def __init__(self, bits: int) -> None:
+        self.bits, self.conditional = bits, False
+
+    def settle(self, unit: RoutingUnit) -> None:
+        if self.conditional:
+            unit.cond |= self.bits
+        else:
+            unit.bits |= self.bits
+
+
+def _hold_record(unit: RoutingUnit, bits: int) -> Held:
+    unit.settle_held()
+    held = unit.held = Held(bits)
+    return held
+
+
 # Each owner's output (its first tensor), while alive: id -> (weakref, the units its forward ran).
 _produced: Dict[int, Tuple[weakref.ref, Held]] = {}
 
@@ -380,7 +403,7 @@ def _leave(owner: nn.Module, args: Any, output: Any) -> None:
     n = len(layers._modules)
     if extras and not fwd & ((1 << n) - 1):
         _make_conditional(extras)
-    held = layers._unit.hold(fwd)
+    held = _hold_record(layers._unit, fwd)
     first = _first_tensor(output)
     if first is not None and first.requires_grad:
         _note_output(first, held)
