@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from . import _autograd, _compat, _unit
+from . import _autograd, _compat, _unit, _warn
 from ._ops import ops
 from ._signatures import traced_signature
 
@@ -117,15 +117,13 @@ def stackable(branches: Sequence[Any]) -> bool:
 
 
 def _warn_rows(where: str) -> None:
-    # once per module name and process: Python's default warning filter shows a message once
-    # per place that warns it
-    warnings.warn(
+    _warn.warn_once(
+        ("rows", where),
         f"maskedbranch: {where} with a whole-batch gate under torch.compile runs every branch on its rows "
         f"(a zero-weighted row for the branches not chosen) with torch {torch.__version__}: torch.cond "
         f"trains and carries the branches' buffers from torch {COND_TORCH} on, and these branches differ in "
         "structure, so they cannot be stacked. Results, BatchNorm statistics included, equal eager mode's; "
         "what is lost is the skipped compute of the branches not chosen.",
-        stacklevel=2,
     )
 
 

@@ -17,13 +17,12 @@ formula gives them. Settings after ``drop_prob`` / ``training`` are keyword-only
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from . import _choice, _compat, _draws, _functional, _route, _structure, _unit
+from . import _choice, _compat, _draws, _functional, _route, _structure, _unit, _warn
 from ._args import check_per_row_devices, route_args
 from ._drop_args import (
     check_bool,
@@ -171,17 +170,16 @@ def _batch_state(module: nn.Module) -> bool:
 @torch.compiler.assume_constant_result
 def rows_captured() -> bool:
     """While torch.compile traces: whether routed rows can be captured (maskedbranch/_compat.py),
-    and when not, the warning, once per process (Python's default warning filter shows a
-    message once per place that warns it)."""
+    and when not, the warning, once per process."""
     captured = _compat.captures_data_dependent()
     if not captured:
-        warnings.warn(
+        _warn.warn_once(
+            "dense drop path",
             "maskedbranch: torch.compile traces a drop path without torch._dynamo.config.capture_scalar_outputs "
             "and capture_dynamic_output_shape_ops, so its branch runs on every row (timm's dense formula, with "
             "the same draws and results as eager mode): no graph break, but no compute skipped. Set both to True "
             "before compiling (or compile with fullgraph=True on torch >= 2.13) to run the branch on the kept "
             "rows only (docs/guides/compile.md).",
-            stacklevel=2,
         )
     return captured
 
