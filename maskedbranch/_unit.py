@@ -101,15 +101,15 @@ def materialize_name(value: Optional[bool]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Which wrapper's forward runs: the wrappers with a reducer push themselves on ``DATA_PARALLEL.running``
-# while their forward runs (maskedbranch/_reducer.py); a DDP module that has no reducer yet is read
-# from DDP itself.
+# Which wrapper's forward runs: the wrappers with a reducer push themselves on
+# ``DATA_PARALLEL.running`` while their forward runs (maskedbranch/_reducer.py); a DDP module that
+# has no reducer yet is read from DDP itself.
 
 
 class StandIn:
     """A wrapper simulated in one process (maskedbranch/doctor/simulate.py): pushed on
-    ``DATA_PARALLEL.running`` as a wrapper's forward would be, it decides for the units that run under it
-    (``decide_for(unit) -> Tying``) and is alive while it is pushed."""
+    ``DATA_PARALLEL.running`` as a wrapper's forward would be, it decides for the units that run
+    under it (``decide_for(unit) -> Tying``) and is alive while it is pushed."""
 
     def decide_for(self, unit: RoutingUnit) -> Tying:
         raise NotImplementedError
