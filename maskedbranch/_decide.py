@@ -31,11 +31,7 @@ Under a wrapper (every context but LOCAL and DDP_FIND_UNUSED) the "auto" units' 
 is reduced after each forward of the wrapper and the gradients that no rank used are reset to
 ``None`` before the step (maskedbranch/_reducer.py), where if/else leaves ``None``.
 
-The context is found once per unit and wrapper: the wrapper that pushed itself on
-``_unit.DATA_PARALLEL.running`` (every wrapper with a reducer does, while its forward runs) or
-the DDP whose forward runs; else, in a distributed job, a DDP or FSDP2 module whose forward is on
-the Python stack (``_compat.wrapper_on_stack``, a look that runs when a unit decides, never per
-call).
+The context is found once per unit and wrapper, whose forward runs (``_unit.current_wrapper``).
 """
 from __future__ import annotations
 

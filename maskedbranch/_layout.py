@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import operator
 import weakref
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -55,13 +55,18 @@ def from_bytes(t: Tensor) -> int:
 
 
 class Layout:
-    """The wrapper's parameters: names and objects in ``named_parameters()`` order, each group's
+    """The wrapper's parameters (``root`` None: those of the units, for units that no wrapper
+    runs): names and objects in ``named_parameters()`` order, each group's
     positions (``groups``: (unit, group index, positions)), the grouped, shared and other
     positions; and, per unit and set of groups that ran, the used / conditional bits and the
     parameters to tie (both cached per set: a forward costs a few lookups per unit)."""
 
-    def __init__(self, root: nn.Module, units: List[RoutingUnit]):
-        named = list(root.named_parameters())
+    def __init__(self, root: Optional[nn.Module], units: List[RoutingUnit]):
+        if root is None:  # units that no wrapper runs: their groups' parameters, each once
+            named = list({id(p): (f"{u.where}.{i}.{j}", p) for u in units
+                          for i, ps in enumerate(u.groups()) for j, p in enumerate(ps)}.values())
+        else:
+            named = list(root.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.size = len(named)
@@ -71,7 +76,7 @@ class Layout:
         self.table = _ops.parameter_table(self.params)
         index = {n: k for k, n in enumerate(self.names)}
         position = {id(p): k for k, (_, p) in enumerate(named)}
-        for n, p in root.named_parameters(remove_duplicate=False):
+        for n, p in () if root is None else root.named_parameters(remove_duplicate=False):
             position.setdefault(id(p), index.get(n, -1))
         self.groups: List[Tuple[RoutingUnit, int, List[int]]] = []
         self.units = list(dict.fromkeys(units))
@@ -95,7 +100,7 @@ class Layout:
                 if not modules:  # a group of bare parameters (its owner's other ones are not in it)
                     claimed |= bits
             unit_modules.update(id(m) for m in modules)
-        outside = sum(1 << k for k in set(_outside(root, unit_modules, position)))
+        outside = 0 if root is None else sum(1 << k for k in set(_outside(root, unit_modules, position)))
         self.grouped = grouped
         self.shared = grouped & outside & ~claimed  # also used outside every group: never reset
         self.resettable = grouped & ~self.shared

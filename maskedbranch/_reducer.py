@@ -52,13 +52,14 @@ _MAX_PENDING = 8  # forwards whose reduction stays unmerged before a backward or
 
 
 class _Reducers:
-    """Every wrapper's reducer (weakly keyed: a reducer goes with its wrapper), and a version
-    bumped when a reducer or a layout changes (the step hook's per-optimizer lists are read
-    again)."""
+    """Every wrapper's reducer (weakly keyed: a reducer goes with its wrapper), the reducer of
+    the units no wrapper runs (``local``), and a version bumped when a reducer or a layout
+    changes (the step hook's per-optimizer lists are read again)."""
 
     def __init__(self) -> None:
         self.by_wrapper: "weakref.WeakKeyDictionary[nn.Module, Reducer]" = weakref.WeakKeyDictionary()
         self.version = 0
+        self.local: Optional[LocalReducer] = None  # made when a unit that no wrapper runs is compiled
 
 
 REDUCERS = _Reducers()
@@ -88,6 +89,15 @@ def all_reducers() -> List["Reducer"]:
     return list(REDUCERS.by_wrapper.values())
 
 
+def local_reducer(units: List[RoutingUnit]) -> Optional["LocalReducer"]:
+    """The reducer of ``units``, which no wrapper runs; None when there are none."""
+    if REDUCERS.local is None:
+        if not units:
+            return None
+        REDUCERS.local = LocalReducer()
+    return REDUCERS.local if REDUCERS.local.holds(units) else None
+
+
 def _root_of(wrapper: nn.Module) -> nn.Module:
     return wrapper.module if isinstance(wrapper, nn.parallel.DistributedDataParallel) else wrapper
 
@@ -99,10 +109,10 @@ def _root_of(wrapper: nn.Module) -> nn.Module:
 def decide(unit: RoutingUnit, wrapper: Any) -> Tying:
     """Decide ``unit``'s tying under ``wrapper`` (None: no forward of a wrapper with a reducer
     runs), store it in the unit, and give the wrapper its reducer if it has none yet."""
-    if wrapper is None and _unit.distributed():
-        wrapper = _compat.wrapper_on_stack()
-    if isinstance(wrapper, _unit.StandIn):  # a wrapper simulated in one process (the doctor's): it decides
-        return wrapper.decide_for(unit)
+    if wrapper is None:
+        wrapper = _unit.current_wrapper(look_on_stack=True)
+    if isinstance(wrapper, Reducer):  # a reducer standing for a wrapper (the doctor's simulated DDP)
+        return wrapper.decide(unit)
     if wrapper is None:
         unit.check_skippable()
         unit.settle(None, 0, _decide.TABLE[_decide.LOCAL])
@@ -124,8 +134,9 @@ class Reducer:
     model that is not DDP or FSDP2; ``everything``: the units with an explicit
     ``materialize_grads`` are reduced and reset too (an explicit handle asked for them)."""
 
-    def __init__(self, wrapper: nn.Module, explicit_kind: bool = False, process_group: Any = None):
-        self.ref = weakref.ref(wrapper)
+    def __init__(self, wrapper: Optional[nn.Module], explicit_kind: bool = False, process_group: Any = None):
+        self.ref = weakref.ref(wrapper) if wrapper is not None else _no_wrapper
+        self.wrapper_id = id(wrapper) if wrapper is not None else id(self)  # what units compare
         self.explicit_kind = explicit_kind
         self.everything = explicit_kind
         self.process_group = process_group
@@ -144,6 +155,9 @@ class Reducer:
         self._synced = True  # the last backward synchronized gradients (or none ran yet)
         self._backwards = 0  # backwards started since the last step
         self.last_reset = 0
+        if wrapper is None:
+            self._hooks = []
+            return
         self._hooks = [
             wrapper.register_forward_pre_hook(_before_forward),
             wrapper.register_forward_hook(_after_forward, always_call=True),
@@ -171,7 +185,7 @@ class Reducer:
             # made during this forward, whose forward hook will not run: the calls tie themselves
             row = tuple(_PER_CALL.get(m, m) for m in row)
         unit.check_skippable()
-        unit.settle(self, id(self.ref()), row)
+        unit.settle(self, self.wrapper_id, row)
         self.units.add(unit)
         if context in _decide.REDUCED and (unit.materialize is None or self.everything):
             if not isinstance(unit.owner(), nn.Module):  # a functional or parameter unit
@@ -418,6 +432,80 @@ class Reducer:
             del REDUCERS.by_wrapper[w]
             REDUCERS.version += 1
         _unit.forget_all(self.units)
+
+
+def _no_wrapper() -> None:
+    return None
+
+
+class LocalReducer(Reducer):
+    """The reducer of the routing units that no wrapper runs (world size 1: one process, a
+    rank-local model) and that were compiled with the default ``materialize_grads``: their
+    graphs ran every branch, the dead ones on no rows, so those branches got zero gradients where
+    if/else leaves ``None``. The same phases with nothing to hook: no wrapper's forward ends, so
+    the records are taken at the step; no wrapper's backward starts, so a gradient counts as
+    cleared when it is not the tensor it held after the previous step (``Parameters.note`` /
+    ``changed``: ``zero_grad(set_to_none=False)`` keeps that tensor, and it stays). A conditional
+    use counts as a use: no wrapper reads those gradients."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.context = _decide.LOCAL
+        self.local_units: List[RoutingUnit] = []
+        self._watched: set = set()  # ids of the units' owners, each watched until it is gone
+
+    def alive(self) -> bool:
+        return True
+
+    def holds(self, units: List[RoutingUnit]) -> bool:
+        """Reduce for ``units`` from now on; whether there are any. The layout holds their
+        parameters: it goes when an owner goes, so that a model deleted between steps is freed."""
+        if units != self.local_units:
+            self.local_units = units
+            self.layout = None
+            for u in units:
+                owner = u.owner()
+                if owner is not None and id(owner) not in self._watched:
+                    self._watched.add(id(owner))
+                    weakref.finalize(owner, self._owner_gone, id(owner))
+        return bool(units)
+
+    def _owner_gone(self, key: int) -> None:
+        self._watched.discard(key)
+        self.local_units = []
+        self.layout = None
+
+    def _layout(self) -> Optional[Layout]:
+        if self.layout is not None and not self.layout.current():
+            self.layout = None
+        if self.layout is None and self.local_units:
+            self.layout = Layout(None, self.local_units)
+            self.seen = self.used = self.cond = self.cleared = 0
+            REDUCERS.version += 1
+        return self.layout
+
+    def positions_of(self, params: Sequence[Tensor]) -> List[int]:
+        layout = self._layout()
+        if layout is None:
+            return [-1] * len(params)
+        index = {id(p): k for k, p in enumerate(layout.params)}
+        return [index.get(id(p), -1) for p in params]
+
+    def reset(self, params: "StepParams") -> int:
+        layout = self._layout()
+        if layout is None:
+            return 0
+        # The forward and backward phases, read now: a gradient that is not the tensor noted at
+        # the previous step (of any optimizer) was cleared and produced again since, so only
+        # the calls recorded since count for it; the others keep what earlier calls used.
+        used, cond, _ = layout.take(self, ())
+        changed = from_bytes(layout.table.changed(layout.grouped_bytes))
+        self.used = (self.used & ~changed) | used | cond
+        self.seen |= layout.resettable
+        self.cleared |= changed
+        done = super().reset(params)
+        layout.table.note(layout.grouped_bytes)
+        return done
 
 
 class StepParams:

@@ -106,21 +106,19 @@ def materialize_name(value: Optional[bool]) -> str:
 # has no reducer yet is read from DDP itself.
 
 
-class StandIn:
-    """A wrapper simulated in one process (maskedbranch/doctor/simulate.py): pushed on
-    ``DATA_PARALLEL.running`` as a wrapper's forward would be, it decides for the units that run
-    under it (``decide_for(unit) -> Tying``) and is alive while it is pushed."""
-
-    def decide_for(self, unit: RoutingUnit) -> Tying:
-        raise NotImplementedError
-
-    def alive(self) -> bool:
-        return True
-
-
-def current_wrapper() -> Any:
+def current_wrapper(look_on_stack: bool = False) -> Any:
+    """The wrapper whose forward runs, the one way to find it: the innermost that pushed itself
+    (every wrapper with a reducer), else the DDP module whose forward runs (DDP's record, a DDP
+    that has no reducer yet); with ``look_on_stack``, in a distributed job, a DDP or FSDP2 module
+    whose forward is on the Python stack (a wrapper built before any routing module existed; a
+    look made when a unit decides, never per call)."""
     running = DATA_PARALLEL.running
-    return running[-1] if running else _compat.active_ddp()
+    if running:
+        return running[-1]
+    w = _compat.active_ddp()
+    if w is None and look_on_stack and distributed():
+        w = _compat.wrapper_on_stack()
+    return w
 
 
 def distributed() -> bool:
@@ -140,7 +138,7 @@ def _decide_alone(unit: "RoutingUnit", wrapper: Any) -> Tying:
 
 class _DataParallelLayer:
     """The seam to the data-parallel layer: ``running``, the wrappers whose forward runs, innermost
-    last (each pushes itself); and what the layer plugs in when it is imported:
+    last (each pushes itself; a reducer standing for a simulated one, the doctor's, too); and what the layer plugs in when it is imported:
     ``decide(unit, wrapper) -> Tying`` (decides, gives the wrapper its reducer, settles the unit;
     maskedbranch/_reducer.py), ``created(unit)`` (a unit exists) and ``needed()`` (something now
     needs the optimizer step pre-hook: a wrapper got a reducer, or a graph that gives dead branches
@@ -210,8 +208,7 @@ class RoutingUnit:
         checkpoint's recomputation in the backward, keeps the decision of a live wrapper); else
         decided now. A parameter of the owner replaced since (``fully_shard`` puts its own in)
         decides again."""
-        running = DATA_PARALLEL.running
-        w = running[-1] if running else _compat.active_ddp()
+        w = current_wrapper()
         tying = self.tying
         if w is None:
             if tying is not None and (self.reducer is None or self.reducer.alive()):

@@ -30,7 +30,7 @@ A step that GradScaler skips (inf/NaN found) runs no hook, so its calls count to
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +45,7 @@ class _StepHook:
     """The one optimizer step pre-hook and the state it owns: the routing units alive (counted,
     so that the hook goes with the last one), its handle while installed, per optimizer what a
     step reads in each reducer, the optimizers that an explicit handle serves, how many
-    gradients the last step reset, and the reset of the units no wrapper runs (``local``). With
+    gradients the last step reset. With
     it comes the module registration hook that gives a DDP module its reducer when it is built
     (it runs when a module is assigned as another's attribute, at construction, never in a
     forward, and sees ``DDP.module`` set)."""
@@ -60,7 +60,6 @@ class _StepHook:
         self.explicit: "weakref.WeakKeyDictionary[Any, UnusedGradsToNone]" = weakref.WeakKeyDictionary()
         self.last_reset = 0
         self.ddp_watch: Any = None
-        self.local = _LocalScope()
 
     def install(self) -> None:
         if self.handle is None:
@@ -123,82 +122,6 @@ def uninstall() -> None:
     _hook.uninstall()
 
 
-# ----------------------------------------------------------------------------------------------
-# Local scope.
-
-
-class _LocalScope:
-    """The reset of routing modules that no wrapper runs (one process, rank-local models), whose
-    compiled graphs gave dead branches zero gradients. Per unit and group, the clock of the last
-    step that found it used; each optimizer compares it with its own previous step (several
-    optimizers may hold parts of one branch, Muon and AdamW say)."""
-
-    def __init__(self) -> None:
-        self.now = 0
-        self.stamps: "weakref.WeakKeyDictionary[Any, List[int]]" = weakref.WeakKeyDictionary()  # unit -> per group
-        self.since: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # optimizer -> clock
-        self.refs: Dict[int, Tuple[Any, Any]] = {}  # id(parameter) -> (weakref to it, weakref to its gradient after its step)
-        # optimizer -> (its parameter groups' lengths, per local unit (a weak reference to it, its
-        # version, per group the (parameter, weak reference to it) pairs the optimizer holds)).
-        # Read once, not per step: walking every branch's parameters cost more than the reset.
-        self.params: "weakref.WeakKeyDictionary[Any, Tuple[tuple, list]]" = weakref.WeakKeyDictionary()
-
-    def grad_held_since_step(self, p: Tensor) -> bool:
-        """Whether ``p``'s gradient is the tensor it held after its previous step (so it was not
-        None before this backward: zero_grad(set_to_none=False), or accumulation without zeroing)."""
-        entry = self.refs.get(id(p))
-        return entry is not None and entry[0]() is p and entry[1] is not None and entry[1]() is p.grad
-
-    @staticmethod
-    def units() -> List[RoutingUnit]:
-        """Compiled "auto" units that no wrapper runs: their graphs gave dead branches zeros."""
-        return [u for u in list(_hook.units) if u.traced and u.materialize is None and u.reducer is None]
-
-    def params_of(self, optimizer: Any, units: List[RoutingUnit]) -> Tuple[tuple, list]:
-        lengths = tuple(len(g["params"]) for g in optimizer.param_groups)
-        found = self.params.get(optimizer)
-        if (found is None or found[0] != lengths or len(found[1]) != len(units)
-                or any(ref() is not u or version != u.version for (ref, version, _), u in zip(found[1], units))):
-            ids = {id(p) for p in _params_of(optimizer)}
-            held = [(weakref.ref(u), u.version, [[(p, weakref.ref(p)) for p in ps if id(p) in ids] for ps in u.groups()])
-                    for u in units]
-            found = (lengths, held)
-            self.params[optimizer] = found
-        return found
-
-    def reset(self, optimizer: Any) -> int:
-        lengths, held = self.params_of(optimizer, self.units())
-        now = self.now
-        self.now = now + 1
-        since, self.since[optimizer] = self.since.get(optimizer, 0), now + 1
-        done = 0
-        for ref, _, groups in held:
-            u = ref()
-            bits, cond, _ = u.take()
-            bits |= cond  # (a conditional group counts as used here: no wrapper reads its gradients)
-            stamps = self.stamps.setdefault(u, [])
-            stamps.extend([-1] * (len(groups) - len(stamps)))
-            for i, ps in enumerate(groups):
-                if bits >> i & 1:
-                    stamps[i] = now
-                if stamps[i] >= since:
-                    continue
-                for p, _ in ps:
-                    if p.grad is not None and not self.grad_held_since_step(p):
-                        p.grad = None
-                        done += 1
-        refs = self.refs
-        for _, _, groups in held:  # each gradient as it goes into the step
-            for ps in groups:
-                for p, pref in ps:
-                    g = p.grad
-                    refs[id(p)] = (pref, None if g is None else weakref.ref(g))
-        if len(refs) > 4 * sum(lengths) + 1024:  # parameters gone since
-            for k in [k for k, (ref, _) in refs.items() if ref() is None]:
-                del refs[k]
-        return done
-
-
 _hook = _StepHook()
 
 
@@ -246,11 +169,13 @@ def _reset(optimizer: Any, reducers: Optional[Sequence[Any]] = None) -> int:
     automatic one, read now: a closure may have made one) and of the local scope."""
     if reducers is None:
         reducers = [w for w in _reducer.all_reducers() if not w.explicit_kind]
+    # compiled "auto" units that no wrapper runs: their graphs gave dead branches zeros
+    local = _reducer.local_reducer([u for u in list(_hook.units) if u.traced and u.materialize is None and u.reducer is None])
+    if local is not None:
+        reducers = [*reducers, local]
     done = 0
     for w, step_params in _step_params(optimizer, reducers):
         done += w.reset(step_params)
-    if any(u.traced for u in list(_hook.units)):
-        done += _hook.local.reset(optimizer)
     _hook.last_reset = done
     return done
 

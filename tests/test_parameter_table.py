@@ -92,3 +92,22 @@ def test_set_out_of_range_names_k():
     with pytest.raises(RuntimeError, match="k: position -1"):
         table.set(-1, torch.zeros(1))
     assert table.size() == 3
+
+
+def test_changed_names_the_gradients_made_since_noted():
+    ps = params(10)
+    table = _ops.parameter_table(ps)
+    all_bits = as_bytes((1 << 10) - 1, 2)
+    defined = sum(1 << k for k, p in enumerate(ps) if p.grad is not None)
+    assert from_bytes(table.changed(all_bits)) == defined  # nothing noted yet
+    table.note(as_bytes(0b1111111101, 2))  # position 1 has no gradient; not 9 ... 8 noted
+    assert from_bytes(table.changed(all_bits)) == 0
+    ps[0].grad.zero_()  # the same tensor (zero_grad(set_to_none=False)): unchanged
+    ps[2].grad = None
+    ps[2].grad = torch.ones(3)  # a new tensor: changed
+    ps[1].grad = torch.ones(3)  # none noted there: changed
+    ps[3].grad = None  # undefined: not changed
+    assert from_bytes(table.changed(all_bits)) == 0b0110
+    assert from_bytes(table.changed(as_bytes(0b0010, 2))) == 0b0010  # only the positions asked
+    table.note(as_bytes(0b1111, 2))
+    assert from_bytes(table.changed(all_bits)) == 0
