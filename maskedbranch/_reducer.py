@@ -95,7 +95,11 @@ def local_reducer(units: List[RoutingUnit]) -> Optional["LocalReducer"]:
         if not units:
             return None
         REDUCERS.local = LocalReducer()
-    return REDUCERS.local if REDUCERS.local.holds(units) else None
+    local = REDUCERS.local
+    if not local.holds(units):
+        return None
+    local._layout()  # made again now if a unit changed, before the step reads its positions
+    return local
 
 
 def _root_of(wrapper: nn.Module) -> nn.Module:
@@ -355,7 +359,8 @@ class Reducer:
             number = self.launch_first()
             if number is not None:
                 self._backward_starts(number, True)
-        if self.layout is None:
+        layout = self.layout  # (held: a local reducer's finalizer may drop it during the reset)
+        if layout is None:
             return 0
         self._merge(lambda entry: True)
         if self._backwards:
@@ -364,7 +369,7 @@ class Reducer:
         by_position, mine = params.by_position, params.bits
         window = self.seen & self.cleared & mine
         unused = window & ~self.used & ~self.cond  # no rank used it: as if/else, no gradient
-        done = self.layout.table.to_none(as_bytes(unused, self.layout.nbytes)) if unused else 0
+        done = layout.table.to_none(as_bytes(unused, layout.nbytes)) if unused else 0
         for k in positions(window & self.cond & ~self.used):  # used only conditionally (a rare read)
             p = by_position[k]
             grad = p.grad
@@ -474,6 +479,7 @@ class LocalReducer(Reducer):
         self._watched.discard(key)
         self.local_units = []
         self.layout = None
+        REDUCERS.version += 1
 
     def _layout(self) -> Optional[Layout]:
         if self.layout is not None and not self.layout.current():

@@ -444,6 +444,29 @@ def test_compiled_reset_of_shared_parameters_and_split_optimizers():
             torch.testing.assert_close(q, p, **TIGHT, msg=f"step {step}, {name}")
 
 
+def test_a_second_compiled_model_joins_the_reset_of_one_optimizer():
+    """One optimizer over two routed models; the second is compiled and run from step 2 on: the
+    reset reads the positions of both from then on, as eager if/else's gradients say."""
+    torch.manual_seed(0)
+    eager = nn.ModuleList([mb.MaskedBranch([nn.Linear(D, D) for _ in range(N)]) for _ in range(2)])
+    twin = copy.deepcopy(eager)
+    runs = [[eager[0], eager[1]], [torch.compile(twin[0], backend="aot_eager", fullgraph=True),
+                                   torch.compile(twin[1], backend="aot_eager", fullgraph=True)]]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, twin)]
+    x = torch.randn(B, D)
+    for step in range(6):
+        for (first, second), opt in zip(runs, opts):
+            opt.zero_grad(set_to_none=True)
+            out = first(x, torch.full((B,), step % N))
+            if step >= 2:
+                out = second(out, torch.full((B,), (step + 1) % N))
+            out.sum().backward()
+            opt.step()
+        for (name, p), q in zip(eager.named_parameters(), twin.parameters()):
+            assert (p.grad is None) == (q.grad is None), f"step {step}, {name}: None in one run only"
+            torch.testing.assert_close(q, p, **TIGHT, msg=f"step {step}, {name}")
+
+
 def test_a_compiled_model_deleted_between_steps_is_freed():
     """The reset's record of a compiled model that no wrapper runs holds its parameters until
     the model goes, not longer."""
