@@ -370,12 +370,7 @@ class Reducer:
         window = self.seen & self.cleared & mine
         unused = window & ~self.used & ~self.cond  # no rank used it: as if/else, no gradient
         done = layout.table.to_none(as_bytes(unused, layout.nbytes)) if unused else 0
-        for k in positions(window & self.cond & ~self.used):  # used only conditionally (a rare read)
-            p = by_position[k]
-            grad = p.grad
-            if grad is not None and not bool(getattr(grad, "to_local", lambda: grad)().any()):
-                p.grad = None  # no gradient reached it from elsewhere on any rank
-                done += 1
+        done += _reset_zeros([by_position[k] for k in positions(window & self.cond & ~self.used)])
         self.seen &= ~mine
         self.used &= ~mine
         self.cond &= ~mine
@@ -437,6 +432,26 @@ class Reducer:
             del REDUCERS.by_wrapper[w]
             REDUCERS.version += 1
         _unit.forget_all(self.units)
+
+
+def _reset_zeros(params: List[Tensor]) -> int:
+    """Of parameters used only conditionally (no gradient reached them from elsewhere on any rank
+    unless theirs is nonzero), set to None the gradients that are all zeros; returns how many.
+    The values are read with one host read per device, not one per parameter."""
+    held: dict = {}
+    for p in params:
+        grad = p.grad
+        if grad is not None:
+            local = getattr(grad, "to_local", lambda: grad)()
+            held.setdefault(local.device, []).append((p, local))
+    done = 0
+    for pairs in held.values():
+        nonzero = torch.stack([g.any() for _, g in pairs]).tolist()
+        for (p, _), used in zip(pairs, nonzero):
+            if not used:
+                p.grad = None
+                done += 1
+    return done
 
 
 def _no_wrapper() -> None:
