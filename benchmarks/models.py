@@ -129,20 +129,24 @@ class Supernet(nn.Module):
 
 
 class ConvSupernet(nn.Module):
-    """Stem -> ``layers`` choice layers of ``choices`` same-shaped choices (3x3 convolution,
-    BatchNorm when ``batch_norm``, ReLU; one structure, so compiled MaskedBranch stacks them)
-    -> pooling -> classifier; ``forward(x, path)`` as :class:`Supernet`'s."""
+    """Stem -> ``layers`` choice layers of ``choices`` choices (a convolution of kernel
+    ``kernels[i]``, BatchNorm when ``batch_norm``, ReLU) -> pooling -> classifier;
+    ``forward(x, path)`` as :class:`Supernet`'s. Same-shaped choices (the default, 3x3 each) are
+    one structure, which compiled MaskedBranch stacks; other kernels (3/5/7/3, a MobileNet-style
+    search space) take one torch.cond per choice."""
 
-    def __init__(self, kind: str, layers: int = 6, choices: int = 4, channels: int = 16, batch_norm: bool = True, classes: int = 10):
+    def __init__(self, kind: str, layers: int = 6, choices: int = 4, channels: int = 16, batch_norm: bool = True,
+                 classes: int = 10, kernels: Sequence[int] = ()):
         super().__init__()
         self.kind = kind
+        kernels = tuple(kernels) or (3,) * choices
 
-        def choice() -> nn.Module:
-            mods = [nn.Conv2d(channels, channels, 3, padding=1, bias=not batch_norm)]
+        def choice(k: int) -> nn.Module:
+            mods = [nn.Conv2d(channels, channels, k, padding=k // 2, bias=not batch_norm)]
             return nn.Sequential(*mods, *([nn.BatchNorm2d(channels)] if batch_norm else []), nn.ReLU())
 
         self.stem = nn.Conv2d(3, channels, 3, padding=1)
-        self.layers = nn.ModuleList(routed([choice() for _ in range(choices)], kind) for _ in range(layers))
+        self.layers = nn.ModuleList(routed([choice(k) for k in kernels], kind) for _ in range(layers))
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
 
     def forward(self, x: Tensor, path: Sequence[int]) -> Tensor:

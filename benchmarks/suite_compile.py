@@ -11,8 +11,9 @@ the graphs it takes, and what compiling costs. Budgets of issues 22 and 30:
    most 1.00x timm, no graph break, compile time at most 1.5x timm's. ``--compile-cases
    timm-cold``: each model's first step from empty inductor caches, as a first run compiles.
 2. **Supernets** (benchmarks/models.py; a random path per step as a forward argument, a list of
-   ints): the 12 x 4 ShuffleNetV2 supernet (BatchNorm, four choice structures) and a conv
-   supernet of same-shaped choices, with and without BatchNorm; compiled MaskedBranch (plain
+   ints): the 12 x 4 ShuffleNetV2 supernet (BatchNorm, four choice structures), a conv
+   supernet of same-shaped choices, with and without BatchNorm, and one of kernels 3/5/7/3
+   (MobileNet-style: three structures, one torch.cond per choice); compiled MaskedBranch (plain
    ``torch.compile``, with and without the two capture flags; the path as a tensor) at most
    0.9x the *eager* if/else step, at most 2 graphs, first step at most 1.5x that of compiling
    one if/else path; beside them the ideal, one path compiled, and if/else compiled, which
@@ -277,14 +278,17 @@ def _breaks() -> int:
 
 def _supernets(cfg):
     """(name, builder(kind), input batch and side): the 12 x 4 ShuffleNetV2 supernet (BatchNorm,
-    four choice structures: compiled MaskedBranch takes one torch.cond per choice) and a conv
-    supernet of same-shaped choices (stacked) with and without BatchNorm."""
+    four choice structures: compiled MaskedBranch takes one torch.cond per choice), a conv
+    supernet of same-shaped choices (stacked) with and without BatchNorm, and one of kernels
+    3/5/7/3 (three structures: conds)."""
     widths, stem, side, batch = {"smoke": ((16, 32, 64), 8, 16, 4), "quick": ((24, 48, 96), 16, 32, 16),
                                  "full": ((48, 96, 192), 16, 32, 32)}[cfg.size]
     layers, ch, c_side, c_batch = {"smoke": (3, 8, 8, 4), "quick": (6, 16, 16, 8), "full": (6, 32, 32, 32)}[cfg.size]
     return [
         ("ShuffleNetV2 12 x 4 (BN, conds)", lambda kind: Supernet(kind, widths=widths, stem=stem), 12, batch, side),
         (f"conv {layers} x 4 BN (stacked)", lambda kind: ConvSupernet(kind, layers=layers, channels=ch), layers, c_batch, c_side),
+        (f"conv {layers} x 4 BN, kernels 3/5/7/3 (conds)",
+         lambda kind: ConvSupernet(kind, layers=layers, channels=ch, kernels=(3, 5, 7, 3)), layers, c_batch, c_side),
         (f"conv {layers} x 4 no BN (stacked)", lambda kind: ConvSupernet(kind, layers=layers, channels=ch, batch_norm=False),
          layers, c_batch, c_side),
     ]
