@@ -169,7 +169,8 @@ class Reducer:
         weakref.finalize(wrapper, _unit.forget_all, self.units)
 
     def alive(self) -> bool:
-        return self.ref() is not None
+        """The wrapper is alive (a reducer without one, the local or the doctor's, always is)."""
+        return self.ref is _no_wrapper or self.ref() is not None
 
     def root(self) -> Optional[nn.Module]:
         w = self.ref()
@@ -207,16 +208,22 @@ class Reducer:
         if self.layout is not None and not self.layout.current():
             self.layout = None
         if self.layout is None:
-            root = self.root()
-            if root is None or not self.reduces():
+            self.layout = self._new_layout()
+            if self.layout is None:
                 return None
-            units = [m._unit for m in _unit.routing_modules(root) if self.everything or m._unit.materialize is None]
-            units += [u for u in self.extra if u.owner() is not None]
-            self.layout = Layout(root, units)
             self.seen = self.used = self.cond = self.cleared = 0
             self.pending = [p for p in self.pending if len(p[1]) == 2 * self.layout.nbytes]
             REDUCERS.version += 1  # positions changed: the step hook's per-optimizer lists too
         return self.layout
+
+    def _new_layout(self) -> Optional[Layout]:
+        """The wrapper's parameters and the units it reduces for (None: it reduces nothing)."""
+        root = self.root()
+        if root is None or not self.reduces():
+            return None
+        units = [m._unit for m in _unit.routing_modules(root) if self.everything or m._unit.materialize is None]
+        units += [u for u in self.extra if u.owner() is not None]
+        return Layout(root, units)
 
     def _group(self) -> Any:
         group = self.process_group
@@ -474,9 +481,6 @@ class LocalReducer(Reducer):
         self.local_units: List[RoutingUnit] = []
         self._watched: set = set()  # ids of the units' owners, each watched until it is gone
 
-    def alive(self) -> bool:
-        return True
-
     def holds(self, units: List[RoutingUnit]) -> bool:
         """Reduce for ``units`` from now on; whether there are any. The layout holds their
         parameters: it goes when an owner goes, so that a model deleted between steps is freed."""
@@ -496,14 +500,8 @@ class LocalReducer(Reducer):
         self.layout = None
         REDUCERS.version += 1
 
-    def _layout(self) -> Optional[Layout]:
-        if self.layout is not None and not self.layout.current():
-            self.layout = None
-        if self.layout is None and self.local_units:
-            self.layout = Layout(None, self.local_units)
-            self.seen = self.used = self.cond = self.cleared = 0
-            REDUCERS.version += 1
-        return self.layout
+    def _new_layout(self) -> Optional[Layout]:
+        return Layout(None, self.local_units) if self.local_units else None
 
     def positions_of(self, params: Sequence[Tensor]) -> List[int]:
         layout = self._layout()

@@ -166,7 +166,7 @@ def _check_fsdp2() -> None:
 
 def _reset(optimizer: Any, reducers: Optional[Sequence[Any]] = None) -> int:
     """Reset this optimizer's unused gradients: those of the given reducers (default: every
-    automatic one, read now: a closure may have made one) and of the local scope."""
+    automatic one, read now: a closure may have made one) and of the local reducer."""
     if reducers is None:
         reducers = [w for w in _reducer.all_reducers() if not w.explicit_kind]
     # compiled "auto" units that no wrapper runs: their graphs gave dead branches zeros

@@ -23,9 +23,6 @@ class Simulated(_reducer.Reducer):
         self.context = _decide.DDP
         self.sim_root = root
 
-    def alive(self) -> bool:
-        return True
-
     def root(self) -> Optional[nn.Module]:
         return self.sim_root
 
