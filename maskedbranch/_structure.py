@@ -124,10 +124,6 @@ class Branches:
             self.params = [tuple(m.parameters()) if isinstance(m, nn.Module) else () for m in self._watch]
         self._tied.clear()
 
-    def same_branches(self, modules: Dict[str, Any]) -> bool:
-        """Whether ``modules`` (a ModuleList's ``_modules``) still holds exactly these branches."""
-        return len(modules) == len(self.branches) and all(map(_is, modules.values(), self.branches))
-
     def tied(self, live_mask: int) -> Optional[Tuple[Tensor, ...]]:
         """The parameters to tie when the branches of ``live_mask`` ran; None when the cache is
         stale (rebuild it)."""

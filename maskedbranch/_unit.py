@@ -312,18 +312,6 @@ class RoutingUnit:
                 self.seen.zero_()
         return bits, cond & ~bits, called or bool(bits or cond)
 
-    def reset_state(self) -> None:
-        """A copy (``copy.deepcopy``, pickling) starts with a fresh record and no decision."""
-        self.forget()
-        self.probe = None
-        self.bits = self.cond = 0
-        self.called = False
-        self.held = None
-        self.seen = torch.zeros(self.seen.shape[0], dtype=torch.uint8)
-        self.traced = False
-        self.signatures = None
-        self.int_graphs = 0
-
 
 def _probe_of(owner: Any) -> Optional[Tuple[dict, str, Any]]:
     """Where the owner's first parameter is registered, to see it replaced (``fully_shard``,
@@ -367,14 +355,30 @@ def traced_tying(owner: nn.Module) -> Tying:
     return _TYINGS[_tying_while_tracing(id(owner), None if w is None else id(w))]
 
 
+class UnitOwner:
+    """Mixin of the modules that own a routing unit (before ``nn.Module`` in the bases). A copy
+    (``copy.deepcopy``, pickling) gets a unit of its own, with a fresh record and no decision:
+    ``_own_unit`` makes it, and what the module derives along with it (``_derived``: not copied)."""
+
+    _derived: Tuple[str, ...] = ()
+
+    def _own_unit(self, materialize_grads: Any) -> None:
+        raise NotImplementedError
+
+    def __getstate__(self):
+        state = {k: v for k, v in self.__dict__.items() if k not in self._derived}
+        state["_materialize_grads"] = state.pop("_unit").materialize
+        return state
+
+    def __setstate__(self, state) -> None:
+        materialize_grads = state.pop("_materialize_grads")
+        super().__setstate__(state)  # type: ignore[misc]
+        self._own_unit(materialize_grads)
+
+
 def forget_all(units: Any) -> None:
     for u in list(units):
         u.forget()
-
-
-def unit_of(m: Any) -> Optional[RoutingUnit]:
-    u = getattr(m, "_unit", None)
-    return u if isinstance(u, RoutingUnit) else None
 
 
 def routing_modules(root: nn.Module) -> List[nn.Module]:

@@ -44,7 +44,7 @@ def _as_branch_list(branches: Any, callables: bool) -> List[Any]:
     return [b for _, b in items]
 
 
-class MaskedBranch(_structure.RoutingModuleList):
+class MaskedBranch(_unit.UnitOwner, _structure.RoutingModuleList):
     r"""An ``nn.ModuleList`` of branches that runs each row through the branches its gate selects,
     and only those: ``y[b] = sum_i g[b, i] * branch_i(x[b], ...)``.
 
@@ -93,8 +93,7 @@ class MaskedBranch(_structure.RoutingModuleList):
     def __init__(self, branches: Iterable[nn.Module], *, materialize_grads: Any = None):
         mods = _as_branch_list(branches, callables=False)
         super().__init__(branches if _structure.is_named(branches) else mods)  # a ModuleDict keeps its keys
-        self._unit = _unit.RoutingUnit(self, "MaskedBranch", materialize(materialize_grads))
-        self._unit.ensure(len(mods))
+        self._own_unit(materialize(materialize_grads))
 
     @property
     def materialize_grads(self) -> Optional[bool]:
@@ -191,15 +190,7 @@ class MaskedBranch(_structure.RoutingModuleList):
         head, sep, rest = text.partition("(\n")
         return f"{head}({extra}\n{rest}" if sep else f"{type(self).__name__}({extra})"
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_materialize_grads"] = state.pop("_unit").materialize
-        return state
-
-    def __setstate__(self, state) -> None:
-        # copy.deepcopy and pickle: a unit of its own, with a fresh record and no decision
-        materialize_grads = state.pop("_materialize_grads")
-        super().__setstate__(state)
+    def _own_unit(self, materialize_grads: Any) -> None:
         self._unit = _unit.RoutingUnit(self, "MaskedBranch", materialize_grads)
         self._unit.ensure(len(self._modules))
 

@@ -277,7 +277,7 @@ def add_residual(x, branch, p, training, mode, scale_by_keep, generator, kept, a
     return out
 
 
-class ResidualDropPath(_structure.CacheOwner, nn.Module):
+class ResidualDropPath(_unit.UnitOwner, _structure.CacheOwner, nn.Module):
     """``x + drop_path(branch(x, *args, **kwargs))`` with the branch run only on the kept rows
     (``mode="row"``) or skipped when the batch is dropped (``mode="batch"``):
     ``ResidualDropPath(branch, drop_prob=0.0, *, mode="row", scale_by_keep=True, kept="random",
@@ -316,8 +316,7 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
         self.branch = branch
         self.drop_prob = check_drop_prob(drop_prob)
         self.mode, self.scale_by_keep, self.generator, self.kept = _settings(mode, scale_by_keep, generator, kept)
-        self._checked_branch = _structure.CheckedBranch(branch)
-        self._unit = _unit.RoutingUnit(self, "ResidualDropPath", materialize(materialize_grads))
+        self._own_unit(materialize(materialize_grads))
 
     @property
     def materialize_grads(self) -> Optional[bool]:
@@ -402,16 +401,9 @@ class ResidualDropPath(_structure.CacheOwner, nn.Module):
             s += f", materialize_grads={materialize_name(self.materialize_grads)}"
         return s
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_materialize_grads"] = state.pop("_unit").materialize
-        state.pop("_checked_branch", None)  # derived from the branch, rebuilt on load
-        return state
+    _derived = ("_checked_branch",)  # a wrapper of the branch: a pickle holds the branch only
 
-    def __setstate__(self, state) -> None:
-        # copy.deepcopy and pickle: a unit of its own, with a fresh record and no decision
-        materialize_grads = state.pop("_materialize_grads")
-        super().__setstate__(state)
+    def _own_unit(self, materialize_grads: Any) -> None:
         self._checked_branch = _structure.CheckedBranch(self.branch)
         self._unit = _unit.RoutingUnit(self, "ResidualDropPath", materialize_grads)
 

@@ -107,7 +107,7 @@ def _dropped(rule: Rule, p: float) -> bool:
 # The layer list.
 
 
-class LayerDropList(_structure.RoutingModuleList):
+class LayerDropList(_unit.UnitOwner, _structure.RoutingModuleList):
     """The ``layers`` of a patched owner: the same layer objects (``state_dict`` keys
     ``layers.0.weight``, indexing and ``len`` as before). Outside the owner's training forward,
     iterating yields the layers; inside, it draws LayerDrop as HF does and yields, for each
@@ -118,9 +118,7 @@ class LayerDropList(_structure.RoutingModuleList):
         super().__init__(layers)
         self.rule = rule
         self.where = where
-        self._p: Optional[float] = None  # the probability while the owner's training forward runs
-        self._tables: Optional[List[_structure.Branches]] = None
-        self._unit = _unit.RoutingUnit(self, where, materialize_grads)
+        self._own_unit(materialize_grads)
         self._reset_forward_state()
 
     @property
@@ -192,16 +190,11 @@ class LayerDropList(_structure.RoutingModuleList):
     def extra_repr(self) -> str:
         return f"LayerDrop of {self.where}" + ("" if self.materialize_grads is None else f", materialize_grads={self.materialize_grads}")
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_materialize_grads"] = state.pop("_unit").materialize
-        return state
+    _derived = ("_p", "_tables")
 
-    def __setstate__(self, state) -> None:
-        # copy.deepcopy and pickle: a unit of its own, with a fresh record and no decision
-        materialize_grads = state.pop("_materialize_grads")
-        super().__setstate__(state)
-        self._p, self._tables = None, None
+    def _own_unit(self, materialize_grads: Optional[bool]) -> None:
+        self._p: Optional[float] = None  # the probability while the owner's training forward runs
+        self._tables: Optional[List[_structure.Branches]] = None
         self._unit = _unit.RoutingUnit(self, self.where, materialize_grads)
         self._reset_forward_state()
 
