@@ -19,7 +19,7 @@ import time
 
 SUITES = ["masked", "overhead", "ddp", "nas", "droppath", "kernels", "timm", "hf", "compile", "demo"]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMPILE_CASES = ["timm", "timm-plain", "supernets", "moe", "depth", "conv-supernets", "timm-cold"]  # the first five by default
+COMPILE_CASES = ["timm", "timm-plain", "supernets", "moe", "depth", "conv-supernets", "hetero-supernet", "timm-cold"]  # the first five by default
 
 
 def machine(device: str) -> str:
@@ -46,7 +46,7 @@ def parse(argv):
                            "(a minute or two; the timings mean nothing)")
     ap.add_argument("--page", action="store_true",
                     help="the results page: the suites its headline reads (quick sizes unless --smoke; --threads 2; "
-                         "the compile suite's timm and moe cases, at drop_path_rate 0.4, without the ideal), then "
+                         "the compile suite's timm, moe, depth and hetero-supernet cases, at drop_path_rate 0.4, without the ideal), then "
                          "benchmarks/RESULTS.md, benchmarks/plots/ and the README's excerpt from them (with --smoke: "
                          "RESULTS.md, plots/ and readme-excerpt.md in the results folder, the repository untouched)")
     ap.add_argument("--only", default=None, help="comma-separated subset of " + ",".join(SUITES))
@@ -61,6 +61,7 @@ def parse(argv):
     ap.add_argument("--compile-cases", default=None,
                     help="comma-separated cases of the compile suite (default: timm,timm-plain,supernets,moe,depth; "
                          "conv-supernets: the supernets less the ShuffleNetV2 one, whose conds take most of the time; "
+                         "hetero-supernet: only the conv supernet of kernels 3/5/7/3; "
                          "timm-cold: timm's and patched timm's first compiled step from empty caches)")
     args = ap.parse_args(argv)
     if args.page:  # what the page reads, unless set

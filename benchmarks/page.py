@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 # What the page runs (python -m benchmarks --page): every suite a headline row reads, and the
 # kernels for their plot; the compile suite without its slowest cases.
 SUITES = ["ddp", "nas", "demo", "hf", "droppath", "masked", "timm", "compile", "kernels"]
-COMPILE_CASES = ["timm", "moe"]  # the timm case's compile times are cold ones
+COMPILE_CASES = ["timm", "moe", "depth", "hetero-supernet"]  # the timm case's compile times are cold ones
 COMPILE_RATES = (0.4,)
 SPREAD = 0.05  # run-to-run spread of a ratio on the 2-core machine the suites were built on
 MAX_LINES = 300
@@ -48,6 +48,13 @@ W_COMPILE_TIME = ("Dynamo traces the routing's Python and autograd Functions in 
                   "routed block's kernels for a data-dependent row count, where timm's blocks have static shapes.")
 W_ORACLE = ("the oracle gets each expert's rows split before the step; a routed mixture gathers every routed row and "
             "adds it back, at about the speed of a copy (the kernels plot).")
+W_DEPTH_INT = ("int gates inline the chosen block as if/else does; the graph adds the record of which branch ran and "
+               "the zeros of a dropped block.")
+W_DEPTH_TENSOR = ("0-d tensor gates are data: every block's choice runs through the stacked copy and a select for -1 in "
+                  "one graph; int gates are the form for a few patterns (docs/guides/compile.md).")
+W_COND = ("choices of different structures take one torch.cond each, whose backward runs the chosen choice's forward "
+          "again (torch's cond saves only its inputs) and whose subgraphs inductor cannot fuse across.")
+W_COND_TIME = "inductor compiles each choice's subgraph, forward and backward, where one path compiles one branch per layer."
 W_HAND = ("both move the same rows; masked adds its routing plan and custom ops, a fixed cost per call that shows "
           "on small experts.")
 
@@ -71,6 +78,8 @@ DDP = "DDP training step (masked: `find_unused_parameters=False`)"
 DROP = "Stochastic depth on a residual MLP, forward + backward"
 TIMM = "timm models, one train step at drop_path_rate 0.4"
 MOE = "Mixture of experts, forward + backward"
+COMPILED = "Compiled routing: plain `torch.compile`, one process, a train step"
+HETERO = "conv 6 x 4 BN, kernels 3/5/7/3 (conds)"
 FUP = "if/else, `find_unused_parameters=True`"
 DENSE = "dense 0/1 trick (every branch, times 0 or 1)"
 
@@ -121,6 +130,22 @@ HEADLINE: List[Row] = [
       for against, short, column, why in (
           ("oracle compiled: each expert on rows split beforehand", "oracle", "masked / oracle*", W_ORACLE),
           ("hand-written mixture (`nonzero`, `index_add`), compiled", "hand-written", "masked / hand-written*", W_HAND))],
+]
+
+HEADLINE += [
+    Row(COMPILED, f"`MaskedBranch`, {form}: random depth, 8 residual MLP blocks", "if/else compiled",
+        f"random depth {short} vs if/else compiled", "compile", "torch.compile (inductor, plain): random depth",
+        (("masked gates", f"masked, {short} gates"),), "masked / if/else compiled*", why, key=short == "int")
+    for form, short, why in (("Python int gates", "int", W_DEPTH_INT), ("0-d tensor gates", "tensor", W_DEPTH_TENSOR))
+] + [
+    Row(COMPILED, "`MaskedBranch`, 0-d tensor path: conv supernet 6 x 4, kernels 3/5/7/3, BatchNorm", against, short,
+        "compile", "torch.compile (inductor, plain): NAS supernets", (("model", HETERO), ("masked compiled", "masked, tensor path")),
+        column, why)
+    for against, short, column, why in (
+        ("if/else eager", "kernels 3/5/7/3 supernet vs if/else eager", "masked / if/else eager*", W_COND),
+        ("one path compiled (the ideal)", "kernels 3/5/7/3 supernet vs one path", "masked / one path*", W_COND),
+        ("one path's first compiled step", "kernels 3/5/7/3 supernet first step vs one path's", "first step / one path's",
+         W_COND_TIME))
 ]
 
 PLOTS = [  # file, what it shows (embedded where the run wrote it)
