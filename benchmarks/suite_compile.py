@@ -602,7 +602,8 @@ def run(cfg) -> list:
     if {"supernets", "conv-supernets", "hetero-supernet"} & set(cases):
         names = None if "supernets" in cases else [
             n for n, *_ in _supernets(cfg) if n.startswith("conv") and ("conv-supernets" in cases or "kernels" in n)]
-        with _recompile_limit(64), _first_run():
+        _warm_compiler()
+        with _recompile_limit(64), _first_run(), _cold_caches():  # compile seconds of a first run
             supernet_rows = _supernet_rows(cfg, names)
         out.append(table(
             "torch.compile (inductor, plain): NAS supernets, a random path per step, compiled masked vs eager if/else "
@@ -614,7 +615,8 @@ def run(cfg) -> list:
             supernet_rows,
             "Budget: masked with a tensor path / if/else eager <= 0.9 (ideal: one path compiled), 1 graph, with and "
             "without the flags; compile ratio (the first step, masked over if/else compiled's, whose kernels the contenders "
-            "before it may have compiled) <= 1.5; first step / one path's: over the first contender's, compiled first. "
+            "before it may have compiled) <= 1.5; first step / one path's: over the first contender's, compiled first; "
+            "inductor's caches start empty for the case, as in a first run. "
             "The ideal: one path "
             "compiled (the if/else supernet compiled, always given the same path). The path: 0-d tensors (data: one graph "
             "for every path; only the chosen choice of each layer runs, stacked for same-shaped choices, one torch.cond "
@@ -625,12 +627,15 @@ def run(cfg) -> list:
             "cause (if/else compiled: one graph per new path). *Median of per-step ratios.",
         ))
     if "depth" in cases:
+        _warm_compiler()
+        with _cold_caches():
+            depth_rows = _depth_rows(cfg)
         out.append(table(
             "torch.compile (inductor, plain): random depth (residual MLP blocks, a step runs the first d), masked vs "
             "if/else, both compiled",
             ["masked gates", "setting", "if/else compiled ms", "masked ms", "masked / if/else compiled*",
              "masked / if/else eager*", "first steps s masked", "same, if/else", "graphs masked / if/else"],
-            _depth_rows(cfg),
+            depth_rows,
             "Budget: int gates / if/else compiled <= 1.05 with no more graphs than if/else. Int gates (0 or -1 per "
             "block) compile as if/else does: the chosen branch inlined, a graph per depth; 0-d tensor gates are data, one "
             "graph for every depth. AdamW; the first steps compile every depth before the timed ones. *Median of "
