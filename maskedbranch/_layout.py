@@ -124,7 +124,8 @@ class Layout:
 
         The parameters to tie: per unit called in the forward and decided for ``reducer`` in one
         of ``tyings``, those of its groups that did not run (less any that a group that ran
-        shares; compiled units ran every branch in their graph). A unit the forward never called
+        shares; none where a compiled call's graph held every branch, ``zeros``: an inlined int
+        choice holds only the chosen one). A unit the forward never called
         is not tied, as a module never called is not: its branches may have been called directly
         (``layer[k](x)``), which its record cannot see. A parameter in two units' dead groups
         (nested routing modules) is listed twice and still gets one hook call per backward. Both
@@ -134,6 +135,7 @@ class Layout:
         once per set and reused: a node made steps ago runs last in the backward, where its
         hooks would make DDP launch its buckets at a rank-dependent point, out of step with a
         second DDP model's buckets on the same process group (a GAN's generator step)."""
+        inlined = {u: u.inlined for u in self.units}  # (taking clears it)
         records = {}
         for u in self.units:
             if keep_records:
@@ -159,7 +161,7 @@ class Layout:
                     inner |= at
             used |= entry[0] & ~inner
             cond |= entry[1] & ~inner
-            if entry[2] and u.reducer is reducer and u.tying in tyings and not u.traced:
+            if entry[2] and u.reducer is reducer and u.tying in tyings and (inlined[u] or not u.zeros):
                 dead.extend(entry[2])
         return used & self.resettable, cond & self.resettable & ~used, dead
 
@@ -175,7 +177,7 @@ class Layout:
     def clear(self) -> None:
         """Forget what the units recorded (calls outside the wrapper's forward)."""
         for u in self.units:
-            if u.bits or u.cond or u.called or u.held is not None or u.traced:
+            if u.bits or u.cond or u.called or u.held is not None or u.zeros or u.inlined:
                 u.take()
 
 

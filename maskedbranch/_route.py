@@ -365,8 +365,9 @@ def _exporting() -> bool:
     return bool(check is not None and check())
 
 
-def record(unit: Any, ran: Any) -> None:
-    """Note in a unit's record (maskedbranch/_unit.py) which branches a call ran."""
+def record(unit: Any, ran: Any, inlined: bool = False) -> None:
+    """Note in a unit's record (maskedbranch/_unit.py) which branches a call ran; ``inlined``: a
+    compiled call whose graph holds the chosen branch only."""
     if _exporting():
         return  # an exported program keeps no record (a mutation it would carry)
     if isinstance(ran, Tensor):
@@ -374,7 +375,7 @@ def record(unit: Any, ran: Any) -> None:
             unit.record_live(ran)
     elif torch.compiler.is_compiling():
         if torch.is_grad_enabled():
-            unit.record_traced_mask(ran)  # a Python attribute written in a graph would be a guard
+            unit.record_traced_mask(ran, inlined)  # a Python attribute written in a graph would be a guard
     else:
         unit.bits |= ran
         unit.called = True

@@ -172,7 +172,7 @@ class RoutingUnit:
     __slots__ = (
         "owner", "where", "materialize",
         "wrapper_id", "tying", "row", "reducer", "probe", "version",
-        "bits", "called", "cond", "held", "seen", "traced",
+        "bits", "called", "cond", "held", "seen", "zeros", "inlined",
         "table", "signatures", "choice", "int_graphs", "__weakref__",
     )
 
@@ -191,7 +191,12 @@ class RoutingUnit:
         self.cond = 0
         self.held: Any = None  # an object with settle(unit), or None
         self.seen = torch.zeros(_MIN_SLOTS, dtype=torch.uint8)
-        self.traced = False  # set (by compiled code) once a compiled graph may have written seen
+        # Set by compiled code, which also writes seen: a graph of this unit held every branch,
+        # the dead ones getting zero gradients there (the step sets them back to None; a wrapper
+        # need not tie them), from then on; a call since the last take inlined an int choice,
+        # its graph holding the chosen branch only (the others keep None, or a wrapper ties them).
+        self.zeros = False
+        self.inlined = False
         self.table: Any = None  # the owner's branch table (maskedbranch/_structure.py), or None
         self.signatures: Any = None  # the branches' output signatures (maskedbranch/_signatures.py)
         self.choice: Optional[int] = None  # the compiled form of a whole-batch choice (maskedbranch/_choice.py)
@@ -271,17 +276,27 @@ class RoutingUnit:
         """Compiled calls: ``live`` is a bool or integer tensor [groups] (nonzero: ran)."""
         n = live.shape[0]
         self.seen[:n].bitwise_or_(live.to(torch.uint8))
-        self.traced = True
+        self.zeros = True
 
-    def record_traced_mask(self, live_mask: int) -> None:
-        """Compiled calls whose groups are known while tracing (a constant mask)."""
+    def record_traced_mask(self, live_mask: int, inlined: bool = False) -> None:
+        """Compiled calls whose groups are known while tracing (a constant mask); ``inlined``: the
+        graph holds the chosen branch only."""
         i = 0
         while live_mask:
             if live_mask & 1:
                 self.seen[i : i + 1].fill_(1)
             live_mask >>= 1
             i += 1
-        self.traced = True
+        self.called = True  # (stores, run again after each call of the graph: no guard)
+        if inlined:
+            self.inlined = True
+        else:
+            self.zeros = True
+
+    def discard(self) -> None:
+        """Forget the record of inlined calls that no one takes (nothing to reset)."""
+        self.called = self.inlined = False
+        self.seen.zero_()
 
     def ensure(self, groups: int) -> None:
         """Eager: room for ``groups`` in ``seen`` (a module that grew)."""
@@ -303,7 +318,8 @@ class RoutingUnit:
         bits, cond, called = self.bits, self.cond, self.called
         self.bits = self.cond = 0
         self.called = False
-        if self.traced:
+        if self.zeros or self.inlined:
+            self.inlined = False
             seen = self.seen.tolist()  # one read: a step takes every unit
             if any(seen):
                 for i, v in enumerate(seen):

@@ -159,7 +159,7 @@ class MaskedBranch(_unit.UnitOwner, _structure.RoutingModuleList):
                 inlined = _choice.inline(self, list(self._modules.values()), x, gate, tying)
                 if inlined is not None:
                     out, ran = inlined
-                    _route.record(unit, ran)
+                    _route.record(unit, ran, inlined=True)
                     return out if ran else _route.tie_unrun(out, tying, inputs=(x,))
             chosen = _route.choose(self, list(self._modules.values()), x, gate, args, kwargs, tying)
             if chosen is not None:  # an int or 0-d gate: the chosen branch alone, in one graph

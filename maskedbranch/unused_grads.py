@@ -169,8 +169,16 @@ def _reset(optimizer: Any, reducers: Optional[Sequence[Any]] = None) -> int:
     automatic one, read now: a closure may have made one) and of the local reducer."""
     if reducers is None:
         reducers = [w for w in _reducer.all_reducers() if not w.explicit_kind]
-    # compiled "auto" units that no wrapper runs: their graphs gave dead branches zeros
-    local = _reducer.local_reducer([u for u in list(_hook.units) if u.traced and u.materialize is None and u.reducer is None])
+    # compiled "auto" units that no wrapper runs: those whose graphs gave dead branches zeros;
+    # the others' graphs inlined an int choice, which leaves nothing to reset
+    units = []
+    for u in list(_hook.units):
+        if u.materialize is None and u.reducer is None:
+            if u.zeros:
+                units.append(u)
+            elif u.inlined:
+                u.discard()
+    local = _reducer.local_reducer(units)
     if local is not None:
         reducers = [*reducers, local]
     done = 0

@@ -444,6 +444,43 @@ def test_compiled_reset_of_shared_parameters_and_split_optimizers():
             torch.testing.assert_close(q, p, **TIGHT, msg=f"step {step}, {name}")
 
 
+@pytest.mark.skipif(not CHOICES, reason="torch 2.6: int gates take the routed rows")
+def test_inlined_int_calls_and_tensor_calls_of_one_module_reset_as_if_else():
+    """An int choice inlined holds the chosen branch only (the others keep None, as with if/else:
+    nothing to reset); a 0-d tensor choice of the same module in the same step holds every
+    branch (zeros for the others, set back to None at the step). -1 included; until a tensor
+    call, the step has nothing to reset."""
+    torch.manual_seed(0)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = mb.MaskedBranch([nn.Linear(D, D) for _ in range(N + 1)])
+            self.head = nn.Linear(D, D)
+
+        def forward(self, x, k, t):
+            h = self.head(x)
+            h = h + self.layer(h, k)
+            return h if t is None else h + self.layer(h, t)
+
+    eager = Twice()
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, twin)]
+    x = torch.randn(B, D)
+    calls = [(0, None), (-1, None), (1, 2), (-1, 0), (3, None), (2, 1), (-1, None), (0, 3)]
+    for step, (k, t) in enumerate(calls):
+        for model, opt, tensor in ((eager, opts[0], int), (compiled, opts[1], torch.tensor)):
+            opt.zero_grad(set_to_none=True)
+            model(x, k, None if t is None else tensor(t)).sum().backward()
+            opt.step()
+        for (name, p), q in zip(eager.named_parameters(), twin.parameters()):
+            assert (p.grad is None) == (q.grad is None), f"step {step} {calls[step]}, {name}: None in one run only"
+            torch.testing.assert_close(q, p, **TIGHT, msg=f"step {step}, {name}")
+        if step < 2:
+            assert twin.layer._unit not in (mb._reducer.REDUCERS.local.local_units if mb._reducer.REDUCERS.local else ())
+
+
 def test_a_second_compiled_model_joins_the_reset_of_one_optimizer():
     """One optimizer over two routed models; the second is compiled and run from step 2 on: the
     reset reads the positions of both from then on, as eager if/else's gradients say."""

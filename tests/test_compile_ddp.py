@@ -3,7 +3,9 @@ ranks route differently every step trains as the if/else model under
 ``DistributedDataParallel(find_unused_parameters=True)`` in eager mode (parameters and
 gradients, None included, after every step), compiled either way round (``torch.compile`` of
 the DDP model, DDP's DDPOptimizer splitting the graph; or DDP around a compiled model), and the
-graphs stop growing after the first steps (the routing is data).
+graphs stop growing after the first steps (the routing is data). With a Python int path (each
+rank its own choice, -1 included) the choice is inlined, a graph per choice as for if/else: the
+wrapper ties the choices not taken, which are not in that graph.
 
 The graphs are counted with a backend over aot_eager. DDP cannot be compiled with fullgraph=True,
 so the two capture flags are set, as docs/guides/compile.md tells users to.
@@ -53,21 +55,23 @@ class Net(nn.Module):
         else:
             y = mb.reference.masked_branch_ifelse(list(self.a), h, ids)
             h = h + (0 if y is None else y)
-            h = h + self.b[int(k)](h)
+            h = h + (self.b[int(k)](h) if int(k) >= 0 else 0)
             if bool(torch.empty(1).bernoulli_(0.5)):
                 h = h + self.c.branch(h) * 2.0
         return self.head(h)
 
 
-def batch(step, rank):
+def batch(step, rank, int_path=False):
     g = torch.Generator().manual_seed(step * 101 + rank * 13)
     x, t = torch.randn(ROWS, 4, generator=g), torch.randn(ROWS, 2, generator=g)
     ids = torch.randint(-1, N - 1, (ROWS,), generator=g)
+    if int_path:  # a Python int, -1 included: inlined, a graph per choice
+        return x, t, ids, (step + rank) % (N + 1) - 1
     k = torch.tensor((step + rank) % N)  # a 0-d tensor: data to the compiler
     return x, t, ids, k
 
 
-def train(rank, group, order):
+def train(rank, group, order, int_path=False):
     # DDP cannot be compiled with fullgraph=True (its own forward breaks the graph), so the routing
     # needs the two capture flags to stay in the graph (docs/guides/compile.md).
     flags = torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
@@ -84,7 +88,7 @@ def train(rank, group, order):
     worst, none_mismatch, graphs = 0.0, [], []
     with flags:
         for step in range(STEPS):
-            x, t, ids, k = batch(step, rank)
+            x, t, ids, k = batch(step, rank, int_path)
             for m, opt in zip((model, reference), opts):
                 opt.zero_grad(set_to_none=True)
                 torch.manual_seed(1000 * step + rank)  # the same drop-path draw for both
@@ -99,6 +103,8 @@ def train(rank, group, order):
 SCENARIOS = {
     "compile_ddp": lambda rank, group: train(rank, group, "compile_ddp"),
     "ddp_compiled": lambda rank, group: train(rank, group, "ddp_compiled"),
+    "compile_ddp, int path": lambda rank, group: train(rank, group, "compile_ddp", int_path=True),
+    "ddp_compiled, int path": lambda rank, group: train(rank, group, "ddp_compiled", int_path=True),
 }
 
 
@@ -118,4 +124,5 @@ def test_compiled_ddp_trains_as_ifelse_and_stops_compiling(ranks, order):
     for r, res in enumerate(results_of(ranks, order)):
         assert res["worst"] < 1e-10 and not res["none_mismatch"], (r, res["worst"], res["none_mismatch"][:5])
         graphs = res["graphs"]
-        assert graphs[3] == graphs[-1], f"rank {r}: graphs after each step {graphs}"
+        settled = N + 1 if "int path" in order else 3  # the int path: a graph per choice, as if/else
+        assert graphs[settled] == graphs[-1], f"rank {r}: graphs after each step {graphs}"
