@@ -67,7 +67,7 @@ class Row:
     short: str  # its label in the headline plot
     suite: str
     title: str  # the start of the suite table's title
-    match: Tuple[Tuple[str, object], ...]  # (column, value) the table row has; the first such row is read
+    match: Tuple[Tuple[str, object], ...]  # (column, value or pattern) the table row has; the first such row is read
     column: str  # the ratio masked / contender
     why: str  # why masked is slower, where it is
     ideal: str = ""  # the column of the ideal ratio, if any
@@ -79,7 +79,7 @@ DROP = "Stochastic depth on a residual MLP, forward + backward"
 TIMM = "timm models, one train step at drop_path_rate 0.4"
 MOE = "Mixture of experts, forward + backward"
 COMPILED = "Compiled routing: plain `torch.compile`, one process, a train step"
-HETERO = "conv 6 x 4 BN, kernels 3/5/7/3 (conds)"
+HETERO = re.compile(r"conv \d+ x 4 BN, kernels 3/5/7/3 \(conds\)")  # any size (--smoke runs a smaller one)
 FUP = "if/else, `find_unused_parameters=True`"
 DENSE = "dense 0/1 trick (every branch, times 0 or 1)"
 
@@ -169,9 +169,15 @@ def _find(tables: Sequence[dict], row: Row) -> Tuple[Optional[dict], Optional[li
             if row.column not in cols or any(c not in cols for c, _ in row.match):
                 continue
             for r in t["rows"]:
-                if all(r[cols.index(c)] == v for c, v in row.match):
+                if all(_matches(r[cols.index(c)], v) for c, v in row.match):
                     return t, r
     return None, None
+
+
+def _matches(cell, value) -> bool:
+    if isinstance(value, re.Pattern):
+        return isinstance(cell, str) and value.fullmatch(cell) is not None
+    return cell == value
 
 
 def measure(results: dict) -> List[dict]:

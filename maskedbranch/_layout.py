@@ -135,18 +135,18 @@ class Layout:
         once per set and reused: a node made steps ago runs last in the backward, where its
         hooks would make DDP launch its buckets at a rank-dependent point, out of step with a
         second DDP model's buckets on the same process group (a GAN's generator step)."""
-        inlined = {u: u.inlined for u in self.units}  # (taking clears it)
         records = {}
         for u in self.units:
+            inlined = u.inlined  # (taking clears it)
             if keep_records:
                 u.settle_held()
-                records[u] = (u.bits, u.cond & ~u.bits, u.called or bool(u.bits or u.cond))
+                records[u] = (u.bits, u.cond & ~u.bits, u.called or bool(u.bits or u.cond), inlined)
             else:
-                records[u] = u.take()
+                records[u] = (*u.take(), inlined)
         used = cond = 0
         dead: List[Tensor] = []
         for u in self.units:
-            bits, c, called = records[u]
+            bits, c, called, inlined = records[u]
             if not called:
                 continue
             entries = self._entries[u]
@@ -161,7 +161,7 @@ class Layout:
                     inner |= at
             used |= entry[0] & ~inner
             cond |= entry[1] & ~inner
-            if entry[2] and u.reducer is reducer and u.tying in tyings and (inlined[u] or not u.zeros):
+            if entry[2] and u.reducer is reducer and u.tying in tyings and (inlined or not u.zeros):
                 dead.extend(entry[2])
         return used & self.resettable, cond & self.resettable & ~used, dead
 

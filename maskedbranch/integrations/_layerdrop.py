@@ -119,7 +119,6 @@ class LayerDropList(_unit.UnitOwner, _structure.RoutingModuleList):
         self.rule = rule
         self.where = where
         self._own_unit(materialize_grads)
-        self._reset_forward_state()
 
     @property
     def materialize_grads(self) -> Optional[bool]:
