@@ -125,8 +125,8 @@ class Layout:
         The parameters to tie: per unit called in the forward and decided for ``reducer`` in one
         of ``tyings``, those of its groups that did not run (less any that a group that ran
         shares; none where a compiled call's graph held every branch, ``zeros``: an inlined int
-        choice holds only the chosen one). A unit the forward never called
-        is not tied, as a module never called is not: its branches may have been called directly
+        choice holds only the chosen one). A unit the forward never called is not tied, as a
+        module never called is not: its branches may have been called directly
         (``layer[k](x)``), which its record cannot see. A parameter in two units' dead groups
         (nested routing modules) is listed twice and still gets one hook call per backward. Both
         are cached per unit and set of groups that ran: a forward costs a few lookups per unit.
