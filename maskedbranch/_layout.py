@@ -178,7 +178,7 @@ class Layout:
         """Forget what the units recorded (calls outside the wrapper's forward)."""
         for u in self.units:
             if u.bits or u.cond or u.called or u.held is not None or u.zeros or u.inlined:
-                u.take()
+                u.clear()
 
 
 def _outside(root: nn.Module, unit_modules: set, position: Dict[int, int]) -> List[int]:

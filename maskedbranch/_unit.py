@@ -293,10 +293,16 @@ class RoutingUnit:
         else:
             self.zeros = True
 
-    def discard(self) -> None:
-        """Forget the record of inlined calls that no one takes (nothing to reset)."""
-        self.called = self.inlined = False
-        self.seen.zero_()
+    def clear(self) -> None:
+        """Forget the record without reading it: calls outside a wrapper's forward, or inlined
+        calls that no one takes (nothing to reset). A held record is dropped unsettled: settling
+        it would only write the bits cleared here."""
+        self.held = None
+        self.bits = self.cond = 0
+        self.called = False
+        if self.zeros or self.inlined:  # (compiled calls wrote seen)
+            self.inlined = False
+            self.seen.zero_()
 
     def ensure(self, groups: int) -> None:
         """Eager: room for ``groups`` in ``seen`` (a module that grew)."""

@@ -177,7 +177,7 @@ def _reset(optimizer: Any, reducers: Optional[Sequence[Any]] = None) -> int:
             if u.zeros:
                 units.append(u)
             elif u.inlined:
-                u.discard()
+                u.clear()
     local = _reducer.local_reducer(units)
     if local is not None:
         reducers = [*reducers, local]

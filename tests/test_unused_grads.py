@@ -68,6 +68,30 @@ def test_no_grad_calls_do_not_count():
     assert all(grads_none(model.layers[0][1]))
 
 
+def test_calls_outside_the_forward_do_not_count():
+    """A routed layer called on its own, outside the model's forward (a probe, eagerly or
+    compiled: a compiled call writes the unit's tensor record), uses nothing: the model's next
+    forward clears what such calls recorded."""
+    model = Net().double()
+    opt = sgd(model.parameters())
+    handle = unused_grads_to_none(opt, model)
+    loss_of(model, 0, [0, 0]).backward()  # the units decide for the model
+    opt.step()
+    opt.zero_grad()
+    layer = model.layers[0]
+    h = torch.randn(ROWS, D, dtype=torch.float64)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    # (torch < 2.13 turns these on only when asked: the tensor gate's row counts are data)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        compiled(h, torch.full((ROWS,), 1)).sum().backward()
+    layer(h, 2).sum().backward()
+    opt.zero_grad()
+    loss_of(model, 1, [0, 0]).backward()
+    opt.step()
+    assert handle.last_reset == 2 * 2 * 4
+    assert all(grads_none(layer[1])) and all(grads_none(layer[2])) and not any(grads_none(layer[0]))
+
+
 def test_use_accumulates_until_the_step():
     """Gradient accumulation: a branch used by any micro-batch since the last step is kept."""
     model = Net().double()
