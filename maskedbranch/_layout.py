@@ -24,9 +24,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import _ops
+from ._structure import Branches
 from ._unit import RoutingUnit
 
-_MAX_CACHED_SETS = 1024  # sets of groups that ran, per unit, whose bits and dead parameters are kept
+_MAX_CACHED_SETS = 1024  # sets of groups that ran, per unit, whose bits are kept
 
 
 _BYTE_BITS = [tuple(j for j in range(8) if b >> j & 1) for b in range(256)]
@@ -58,8 +59,9 @@ class Layout:
     """The wrapper's parameters (``root`` None: those of the units, for units that no wrapper
     runs): names and objects in ``named_parameters()`` order, each group's
     positions (``groups``: (unit, group index, positions)), the grouped, shared and other
-    positions; and, per unit and set of groups that ran, the used / conditional bits and the
-    parameters to tie (both cached per set: a forward costs a few lookups per unit)."""
+    positions; per unit and set of groups that ran, the used / conditional bits (cached per
+    set); and per unit a table of its groups (maskedbranch/_structure.py), whose cache gives
+    the parameters to tie. A forward costs a few lookups per unit."""
 
     def __init__(self, root: Optional[nn.Module], units: List[RoutingUnit]):
         if root is None:  # units that no wrapper runs: their groups' parameters, each once
@@ -82,14 +84,16 @@ class Layout:
         self.units = list(dict.fromkeys(units))
         self.unit_set = set(self.units)
         self.versions = [u.version for u in self.units]
-        self._tensors: Dict[RoutingUnit, List[Tuple[Tensor, ...]]] = {}
+        # Without Sites: a replaced parameter or module changes the unit's version, and with it
+        # the layout (current()).
+        self._tables: Dict[RoutingUnit, Branches] = {}
         self._positions: Dict[RoutingUnit, List[int]] = {}  # per group, its bits
-        self._entries: Dict[RoutingUnit, Dict[Tuple[int, int], Tuple[int, int, Tuple[Tensor, ...]]]] = {}
+        self._entries: Dict[RoutingUnit, Dict[Tuple[int, int], Tuple[int, int]]] = {}
         grouped, claimed, unit_modules = 0, 0, set()
         for u in self.units:
             modules = u.group_modules()
             groups = [tuple(ps) for ps in u.groups()]
-            self._tensors[u], self._entries[u] = groups, {}
+            self._tables[u], self._entries[u] = Branches(groups, params=groups), {}
             self._positions[u] = []
             for i, ps in enumerate(groups):
                 ks = [position[id(p)] for p in ps if position.get(id(p), -1) >= 0]
@@ -128,8 +132,8 @@ class Layout:
         choice holds only the chosen one). A unit the forward never called is not tied, as a
         module never called is not: its branches may have been called directly
         (``layer[k](x)``), which its record cannot see. A parameter in two units' dead groups
-        (nested routing modules) is listed twice and still gets one hook call per backward. Both
-        are cached per unit and set of groups that ran: a forward costs a few lookups per unit.
+        (nested routing modules) is listed twice and still gets one hook call per backward. The
+        bits are cached here and the parameters in the unit's table, per set of groups that ran.
 
         The tie is made afresh in every forward (one node, an edge per parameter) rather than
         once per set and reused: a node made steps ago runs last in the backward, where its
@@ -161,18 +165,15 @@ class Layout:
                     inner |= at
             used |= entry[0] & ~inner
             cond |= entry[1] & ~inner
-            if entry[2] and u.reducer is reducer and u.tying in tyings and (inlined or not u.zeros):
-                dead.extend(entry[2])
+            if u.reducer is reducer and u.tying in tyings and (inlined or not u.zeros):
+                # (a frozen parameter among them gets no edge: the tie's node skips it)
+                dead.extend(self._tables[u].tied(bits | c))  # type: ignore[arg-type]
         return used & self.resettable, cond & self.resettable & ~used, dead
 
-    def _entry(self, u: RoutingUnit, bits: int, cond: int) -> Tuple[int, int, Tuple[Tensor, ...]]:
-        positions, groups = self._positions[u], self._tensors[u]
-        live = bits | cond
-        used = {id(p) for i, ps in enumerate(groups) if live >> i & 1 for p in ps}
-        dead = tuple({id(p): p for i, ps in enumerate(groups) if not live >> i & 1
-                      for p in ps if id(p) not in used and p.requires_grad}.values())
+    def _entry(self, u: RoutingUnit, bits: int, cond: int) -> Tuple[int, int]:
+        positions = self._positions[u]
         return (sum(b for i, b in enumerate(positions) if bits >> i & 1),
-                sum(b for i, b in enumerate(positions) if cond >> i & 1), dead)
+                sum(b for i, b in enumerate(positions) if cond >> i & 1))
 
     def clear(self) -> None:
         """Forget what the units recorded (calls outside the wrapper's forward)."""
