@@ -84,8 +84,8 @@ class Layout:
         self.units = list(dict.fromkeys(units))
         self.unit_set = set(self.units)
         self.versions = [u.version for u in self.units]
-        # Without Sites: a replaced parameter or module changes the unit's version, and with it
-        # the layout (current()).
+        # Without Sites: the tables live as long as the layout, which is made again when a
+        # unit changes (its version, current()), as the wrapper's own parameter list is.
         self._tables: Dict[RoutingUnit, Branches] = {}
         self._positions: Dict[RoutingUnit, List[int]] = {}  # per group, its bits
         self._entries: Dict[RoutingUnit, Dict[Tuple[int, int], Tuple[int, int]]] = {}
