@@ -26,17 +26,16 @@ MAX_LINES = 300
 BEGIN, END = "<!-- results-page:begin", "<!-- results-page:end -->"
 
 # Why masked is slower, per kind of row (shown only where the ratio is above 1).
-W_TIE = ("each dead branch's parameters are tied into the graph, given zero gradients by DDP's reducer and reset "
-         "before the step, a cost per parameter that the graph walk of `find_unused_parameters=True` undercuts when "
-         "the branches are many small layers.")
-W_TIE_CONV = ("the dead choices' parameters are tied in, zeroed by DDP's reducer and reset before the step, which "
-              "costs about what the graph walk of `find_unused_parameters=True` costs on this model.")
-W_TIE_ROWS = ("masked adds a routing plan per call, the usage all-reduce and the tie and reset of an expert no row "
-              "reached, fixed costs per step above the graph walk of `find_unused_parameters=True` on a graph this "
-              "small.")
+W_TIE = ("masked reduces which branches ran after each forward and averages the routed parameters in an all-reduce "
+         "of its own at the end of the backward, fixed costs per step that the graph walk of "
+         "`find_unused_parameters=True` undercuts on this model.")
+W_TIE_CONV = ("the usage all-reduce after each forward and the averaging of the choices' parameters at the end of the "
+              "backward cost about what the graph walk of `find_unused_parameters=True` costs on this model.")
+W_TIE_ROWS = ("masked adds a routing plan per call, the usage all-reduce and the averaging of the experts' parameters, "
+              "fixed costs per step above the graph walk of `find_unused_parameters=True` on a graph this small.")
 W_DENSE = "the branches are so small that running all of them costs less than the routing's fixed cost per call."
-W_HF = ("the dropped layers' parameters are tied in, zeroed by DDP's reducer and reset before the step, which costs "
-        "more than the graph walk of `find_unused_parameters=True` on a model this small.")
+W_HF = ("the usage all-reduce after each forward and the averaging of the layers' parameters at the end of the "
+        "backward cost more than the graph walk of `find_unused_parameters=True` on a model this small.")
 W_DROP0 = "nothing is dropped, so both compute the dense formula; the difference is the module's own call overhead."
 W_DROP = ("the host-side mask draw, the gather of the kept rows and the scaled add back cost more than the dropped "
           "rows' share of the branch saves at this size.")

@@ -2,12 +2,12 @@
 step (an int gate, different on every rank). 2 gloo ranks on CPU (one thread each), 1 NCCL rank on
 a GPU; ``--ddp-ranks N`` sets another world size. Contenders, interleaved step by step:
 
-* masked: MaskedBranch with the defaults, DDP(find_unused_parameters=False). Branches that did not
-  run are tied into the graph (undefined gradients: DDP's hooks fire and it fills zeros), and
-  before each optimizer step the gradients of branches that no rank ran are set back to None, so
-  training equals if/else with find_unused_parameters=True (checked below);
-* masked, bucket view: the same with DDP(gradient_as_bucket_view=True) (DDP copies no gradient back,
-  in particular not the zeros of unused branches);
+* masked: MaskedBranch with the defaults, DDP(find_unused_parameters=False). The branches'
+  parameters are left out of DDP's buckets; maskedbranch averages those some rank ran at the end
+  of the backward, in one all-reduce, and the others keep None, so training equals if/else with
+  find_unused_parameters=True (checked below);
+* masked, bucket view: the same with DDP(gradient_as_bucket_view=True) (which then touches the
+  trunk's parameters only);
 * masked (static_graph): the defaults under DDP(static_graph=True) (dead branches get zeros);
 * masked, no pruning: MaskedBranch(materialize_grads=False): the optimizer steps the zero gradients
   of unused branches (momentum, weight decay): the pruning's cost, and what it buys;

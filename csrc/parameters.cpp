@@ -7,7 +7,10 @@
 //              rank used);
 //   note /     remember each gradient of a set as it goes into a step / which gradients of a set
 //   changed    are defined and not the one remembered (cleared and produced again since: a
-//              model that no wrapper runs, whose backward the layer does not watch).
+//              model that no wrapper runs, whose backward the layer does not watch);
+//   gather /   the gradients of a set, scaled, in one flat tensor (zeros where a parameter has
+//   scatter    none) / that tensor written back to each gradient (at a backward's end: the
+//              parameters a DDP module leaves to the layer, averaged in one all-reduce).
 //
 // Positions are those of the wrapper's named_parameters(), as DDP's Reducer indexes its
 // variables; a set is a bit set over them, passed as little-endian bytes (a uint8 CPU tensor,
@@ -96,6 +99,69 @@ struct Parameters : torch::CustomClassHolder {
     });
   }
 
+  // The gradients of the positions in `bits` times `scale`, one after another in a flat tensor
+  // of their parameters' dtype and device (one of each: the caller splits sets that mix them);
+  // zeros for a parameter without one. Multiplying while copying is what DDP's reducer does to
+  // fill its buckets (with scale 1 / world size), so the average has the same bits.
+  at::Tensor gather(const at::Tensor& bits, double scale) const {
+    std::vector<int64_t> ks;
+    int64_t total = 0;
+    for_each_position(bits, size(), [&](int64_t k) {
+      const at::Tensor& p = params[static_cast<size_t>(k)];
+      TORCH_CHECK(p.defined(), "bits: position ", k, " holds no parameter");
+      ks.push_back(k);
+      total += p.numel();
+    });
+    TORCH_CHECK(!ks.empty(), "bits: the set is empty");
+    const at::Tensor& first = params[static_cast<size_t>(ks[0])];
+    at::Tensor flat = at::empty({total}, first.options());
+    const auto factor = at::scalar_tensor(scale, at::TensorOptions().dtype(at::kDouble));
+    int64_t offset = 0;
+    for (int64_t k : ks) {
+      const at::Tensor& p = params[static_cast<size_t>(k)];
+      TORCH_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
+                  "bits: position ", k, " is a ", p.scalar_type(), " parameter on ", p.device(), ", position ", ks[0],
+                  " a ", first.scalar_type(), " one on ", first.device(), ": gather one dtype and device at a time");
+      at::Tensor slice = flat.narrow(0, offset, p.numel()).view(p.sizes());
+      const at::Tensor& grad = p.grad();
+      if (grad.defined()) {
+        TORCH_CHECK(grad.layout() == at::kStrided, "the gradient at position ", k, " is ", grad.layout(),
+                    ": only dense gradients are gathered");
+        at::mul_out(slice, grad, factor);
+      } else {
+        slice.zero_();
+      }
+      offset += p.numel();
+    }
+    return flat;
+  }
+
+  // Writes `flat` (as gather made it) back: each position in `bits` gets its slice, copied into
+  // its gradient, or as a new gradient (with its parameter's strides) where it has none. The
+  // sizes are checked before anything is written.
+  void scatter(const at::Tensor& bits, const at::Tensor& flat) {
+    std::vector<int64_t> ks;
+    int64_t total = 0;
+    for_each_position(bits, size(), [&](int64_t k) {
+      TORCH_CHECK(params[static_cast<size_t>(k)].defined(), "bits: position ", k, " holds no parameter");
+      ks.push_back(k);
+      total += params[static_cast<size_t>(k)].numel();
+    });
+    TORCH_CHECK(flat.dim() == 1 && flat.numel() == total, "flat: holds ", flat.numel(), " elements, the set's parameters ", total);
+    int64_t offset = 0;
+    for (int64_t k : ks) {
+      at::Tensor& p = params[static_cast<size_t>(k)];
+      const at::Tensor slice = flat.narrow(0, offset, p.numel()).view(p.sizes());
+      at::Tensor& grad = p.mutable_grad();
+      if (grad.defined()) {
+        grad.copy_(slice);
+      } else {
+        grad = at::empty_like(p, at::MemoryFormat::Preserve).copy_(slice);
+      }
+      offset += p.numel();
+    }
+  }
+
   // The positions in `bits` whose parameter has a gradient other than the one noted there.
   at::Tensor changed(const at::Tensor& bits) const {
     at::Tensor out = at::zeros({(size() + 7) / 8}, at::kByte);
@@ -122,5 +188,7 @@ TORCH_LIBRARY_FRAGMENT(maskedbranch, m) {
       .def("undefined", &maskedbranch::Parameters::undefined)
       .def("to_none", &maskedbranch::Parameters::to_none)
       .def("note", &maskedbranch::Parameters::note)
-      .def("changed", &maskedbranch::Parameters::changed);
+      .def("changed", &maskedbranch::Parameters::changed)
+      .def("gather", &maskedbranch::Parameters::gather)
+      .def("scatter", &maskedbranch::Parameters::scatter);
 }

@@ -18,6 +18,19 @@ with a public fallback that the tests exercise (tests/test_compat.py).
 * :func:`ddp_join_active`: whether a DDP module runs inside ``Join`` (uneven inputs), read from
   its ``_join_config``. Fallback: False (a Join then fails in the all-reduce it cannot shadow,
   with gloo's or NCCL's own error, instead of with maskedbranch's message).
+* :func:`queue_backward_callback`: run a function when the running backward ends, after every
+  gradient of it is accumulated (``Variable._execution_engine.queue_callback``, what DDP's own
+  reducer finishes with), so that the parameters a DDP module leaves to maskedbranch are averaged
+  there. Fallback: None (nothing queued): maskedbranch then leaves every parameter to DDP and ties
+  the dead ones instead, correct and slower (maskedbranch/_reducer.py).
+* :func:`ddp_ignored_names`: the set of names that a DDP module under construction leaves out
+  of its reducer and its initial broadcast (``parameters_to_ignore``, undocumented: DDP fills it
+  from ``_ddp_params_and_buffers_to_ignore`` before it assigns ``DDP.module`` and reads it when it
+  builds its reducer, after). Fallback: None (every parameter stays DDP's, dead ones tied).
+* :func:`ddp_comm_hooks`: the communication hooks registered on a DDP module (``_comm_hooks``),
+  so that a hook which would not see the parameters maskedbranch averages is refused with a
+  message. Fallback: none seen (those parameters are then averaged exactly while the hook
+  compresses the others).
 * :func:`inductor_layout_optimization`: whether inductor is lowering a graph with its layout
   optimization on (channels_last convolutions), read from its graph handler at compile time
   only. Fallback: False (no warning that a routed convolution will fail inductor's stride check:
@@ -48,6 +61,7 @@ import torch
 from torch import nn
 
 __all__ = ["functorch_active", "tracing", "compiled_autograd_tracing", "active_ddp", "ddp_python_reducer", "ddp_join_active",
+           "queue_backward_callback", "can_queue_backward_callback", "ddp_ignored_names", "ddp_comm_hooks",
            "inductor_layout_optimization", "captures_data_dependent", "is_view_of", "wrapper_on_stack",
            "fsdp_module_type", "recompile_limit"]
 
@@ -88,7 +102,7 @@ _DDP = nn.parallel.DistributedDataParallel
 _HAS_ACTIVE_ATTR = hasattr(_DDP, "_active_ddp_module")
 _force_fallback = {"functorch": False, "ddp": False, "python_reducer": False, "compiled_autograd": False, "join": False,
                    "inductor": False, "capture": False, "views": False, "stack": False,
-                   "recompile_limit": False}  # set by the tests of the fallbacks
+                   "recompile_limit": False, "callback": False}  # set by the tests of the fallbacks
 _PYTHON_REDUCER = ("python_reducer", "python_reducer_without_compiled_forward")
 
 
@@ -129,6 +143,34 @@ def ddp_join_active(module) -> bool:
     if config is None or _force_fallback["join"]:
         return False
     return bool(getattr(config, "enable", False))
+
+
+def queue_backward_callback(fn) -> bool:
+    """Queue ``fn`` to run when the backward that is running ends (called from a hook inside it);
+    False where it cannot be queued."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None or _force_fallback["callback"]:
+        return False
+    queue(fn)
+    return True
+
+
+def ddp_ignored_names(module) -> Optional[set]:
+    names = getattr(module, "parameters_to_ignore", None)
+    if not isinstance(names, set) or _force_fallback["callback"]:
+        return None
+    return names
+
+
+def can_queue_backward_callback() -> bool:
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    return hasattr(engine, "queue_callback") and not _force_fallback["callback"]
+
+
+def ddp_comm_hooks(module) -> list:
+    """The communication hooks registered on a DDP module (empty where none can be seen)."""
+    return list(getattr(module, "_comm_hooks", None) or ())
 
 
 def inductor_layout_optimization() -> bool:

@@ -18,18 +18,22 @@ EXPLICIT            ZEROS              ZEROS    NONE
 * LOCAL: one process, or a model that no wrapper runs (a rank-local model in a distributed job):
   nothing tied, as with if/else. DDP_FIND_UNUSED: DDP's graph walk finds the dead parameters
   itself and leaves a gradient that no rank produced untouched, as for if/else.
-* DDP (the C++ reducer): the reducer ties the dead parameters once per forward, with no gradient
-  (DDP fills zeros into its buckets); DDP_STATIC learns from the first step which parameters
-  get a hook and needs a defined gradient for them, so the wrapper tie gives zeros.
+* DDP (the C++ reducer): the parameters DDP left to the reducer at its construction (every
+  routed one, in a model with others) are never tied (the layout leaves their units out of the
+  tie) and are averaged by the reducer; the reducer ties the dead parameters DDP kept once per
+  forward, with no gradient (DDP fills zeros into its buckets); DDP_STATIC learns from the first
+  step which parameters get a hook and needs a defined gradient for them, so the wrapper tie
+  gives zeros. DDP_FIND_UNUSED ties nothing; the parameters DDP left are averaged there too.
 * PYTHON_REDUCER (compiled autograd): every rank must accumulate the same parameters in the same
   order, whatever its branches did (maskedbranch/_route.py, ``_aliases``).
 * FSDP2 reduces only defined gradients; EXPLICIT (a model given to ``unused_grads_to_none``, for
   hand-written averaging) needs a tensor on every rank: zeros, tied by each call.
 * The doctor's simulated ranks (maskedbranch/doctor/simulate.py) decide with the DDP row.
 
-Under a wrapper (every context but LOCAL and DDP_FIND_UNUSED) the "auto" units' usage
-is reduced after each forward of the wrapper and the gradients that no rank used are reset to
-``None`` before the step (maskedbranch/_reducer.py), where if/else leaves ``None``.
+Under a wrapper (every context but LOCAL and DDP_FIND_UNUSED, and that one where DDP left
+parameters to the reducer) the "auto" units' usage is reduced after each forward of the wrapper
+and the gradients that no rank used are reset to ``None`` before the step
+(maskedbranch/_reducer.py), where if/else leaves ``None``.
 
 The context is found once per unit and wrapper, whose forward runs (``_unit.current_wrapper``).
 """

@@ -63,7 +63,7 @@ class Layout:
     set); and per unit a table of its groups (maskedbranch/_structure.py), whose cache gives
     the parameters to tie. A forward costs a few lookups per unit."""
 
-    def __init__(self, root: Optional[nn.Module], units: List[RoutingUnit]):
+    def __init__(self, root: Optional[nn.Module], units: List[RoutingUnit], owned_names: frozenset = frozenset()):
         if root is None:  # units that no wrapper runs: their groups' parameters, each once
             named = list({id(p): (f"{u.where}.{i}.{j}", p) for u in units
                           for i, ps in enumerate(u.groups()) for j, p in enumerate(ps)}.values())
@@ -110,21 +110,36 @@ class Layout:
         self.resettable = grouped & ~self.shared
         self.grouped_bytes = as_bytes(grouped, self.nbytes)  # what the backward's start reads
         self.others = [k for k in range(self.size) if not grouped >> k & 1]  # outside every group
+        # Owned: left out of the DDP module's buckets (owned_names, fixed when it was built); one
+        # bit set per dtype and device, as they are averaged; units whose groups hold only owned
+        # and frozen parameters are never tied.
+        self.owned = sum(1 << k for k, n in enumerate(self.names) if n in owned_names) & self.resettable
+        by_kind: Dict[Tuple[Any, Any], int] = {}
+        for k in positions(self.owned):
+            kind = (self.params[k].device, self.params[k].dtype)
+            by_kind[kind] = by_kind.get(kind, 0) | 1 << k
+        self.owned_sets = list(by_kind.values())
+        self.owned_bytes = as_bytes(self.owned, self.nbytes)
+        self.unit_bits = {u: functools.reduce(operator.or_, self._positions[u], 0) for u in self.units}
+        tieless = self.owned | sum(1 << k for k, p in enumerate(self.params) if not p.requires_grad)
+        self.untied = {u for u in self.units if not self.unit_bits[u] & ~tieless}
         # Per unit, the units inside one of its groups (a MaskedBranch in a LayerDrop layer) with
         # their positions: when such a unit is called, it decides for its parameters.
         self.nested: Dict[RoutingUnit, List[Tuple[RoutingUnit, int]]] = {}
         for u in self.units:
             inside = {id(m) for gm in u.group_modules() for m in gm.modules()}
-            self.nested[u] = [(v, functools.reduce(operator.or_, self._positions[v], 0)) for v in self.units if v is not u and id(v.owner()) in inside]
+            self.nested[u] = [(v, self.unit_bits[v]) for v in self.units if v is not u and id(v.owner()) in inside]
 
     def current(self) -> bool:
         """No unit changed since the layout was made (maskedbranch/_unit.py, ``forget``)."""
         return all(u.version == v for u, v in zip(self.units, self.versions))
 
-    def take(self, reducer: Any, tyings: tuple, keep_records: bool = False) -> Tuple[int, int, List[Tensor]]:
-        """What the forward that just ran on this rank used: (used bits, conditional bits), and
-        the parameters the wrapper ties into its outputs. The units' records are cleared (unless
-        ``keep_records``: the doctor reads them afterwards).
+    def take(self, reducer: Any, tyings: tuple, keep_records: bool = False) -> Tuple[int, int, List[Tensor], int]:
+        """What the forward that just ran on this rank used: (used bits, conditional bits), the
+        parameters the wrapper ties into its outputs, and *held*: the positions of units whose
+        compiled graph held every branch or that were tied (their dead groups may get gradients,
+        zeros, without running). The units' records are cleared (unless ``keep_records``: the
+        doctor reads them afterwards).
 
         The parameters to tie: per unit called in the forward and decided for ``reducer`` in one
         of ``tyings``, those of its groups that did not run (less any that a group that ran
@@ -147,10 +162,12 @@ class Layout:
                 records[u] = (u.bits, u.cond & ~u.bits, u.called or bool(u.bits or u.cond), inlined)
             else:
                 records[u] = (*u.take(), inlined)
-        used = cond = 0
+        used = cond = held = 0
         dead: List[Tensor] = []
         for u in self.units:
             bits, c, called, inlined = records[u]
+            if u.zeros and not inlined:  # (a compiled call that ran no group does not count as called)
+                held |= self.unit_bits[u]
             if not called:
                 continue
             entries = self._entries[u]
@@ -165,10 +182,12 @@ class Layout:
                     inner |= at
             used |= entry[0] & ~inner
             cond |= entry[1] & ~inner
-            if u.reducer is reducer and u.tying in tyings and (inlined or not u.zeros):
-                # (a frozen parameter among them gets no edge: the tie's node skips it)
+            if u.reducer is reducer and u.tying in tyings and (inlined or not u.zeros) and u not in self.untied:
+                # (a frozen parameter among them gets no edge: the tie's node skips it; an owned
+                # one gets zeros under static_graph, so its positions count as held)
                 dead.extend(self._tables[u].tied(bits | c))  # type: ignore[arg-type]
-        return used & self.resettable, cond & self.resettable & ~used, dead
+                held |= self.unit_bits[u]
+        return used & self.resettable, cond & self.resettable & ~used, dead, held
 
     def _entry(self, u: RoutingUnit, bits: int, cond: int) -> Tuple[int, int]:
         positions = self._positions[u]

@@ -1,13 +1,16 @@
 """The data-parallel layer: one reducer per wrapper (a DDP module, an FSDP2 root, a model given
 to ``unused_grads_to_none``), which does for routed parameters what DDP's Reducer does with
 ``find_unused_parameters=True``: it decides for the routing units its wrapper runs
-(maskedbranch/_decide.py), ties the dead parameters of its DDP units once per forward, reduces
-which parameters no rank used, and resets their gradients to ``None`` before the step.
+(maskedbranch/_decide.py), averages the routed parameters a DDP module left out of its buckets
+(*owned*), ties the dead parameters DDP kept once per forward, reduces which parameters no rank
+used, and resets their gradients to ``None`` before the step.
 
 It imports the routing (maskedbranch/_unit.py) and plugs :func:`decide` into it; the routing never
 imports it. A reducer acts only through hooks on its own wrapper, in phases (docs/design.md sets
 them beside DDP's):
 
+0. **At a DDP module's construction** (:meth:`Reducer.own`): the parameters that only routing
+   groups hold leave DDP's buckets (where DDP keeps another one) and are broadcast from rank 0.
 1. **Before each forward** (a forward pre-hook): the wrapper pushes itself on
    ``_unit.DATA_PARALLEL.running`` (so a routed call compares one object with its unit's
    decision) and clears its units' records (calls made since, outside its forward, such as a
@@ -17,11 +20,12 @@ them beside DDP's):
    branches did), the groups that ran on this rank become bit sets over the wrapper's parameters
    (maskedbranch/_layout.py), one OR all-reduce of them starts on a CPU process group
    (``async_op=True``: nothing waits, no device synchronization under NCCL), and the parameters
-   of the DDP units' groups that did not run are tied into the outputs by one autograd node.
+   that DDP kept of the groups that did not run are tied into the outputs by one autograd node.
 3. **When that forward's backward starts** (a hook on the outputs), a gradient that is ``None``
    was cleared since the previous backward (``zero_grad()``): what earlier forwards used no longer
    counts for it, as for if/else. Read only after a backward that synchronized gradients (inside
-   ``no_sync`` the ranks' local gradients differ).
+   ``no_sync`` the ranks' local gradients differ). A synchronizing backward queues the averaging
+   of the owned parameters for its end (:meth:`Reducer._average_owned`).
 4. **Before an optimizer step** (maskedbranch/unused_grads.py), that optimizer's parameters read
    the reduced bytes: a parameter that no rank used since its gradient was cleared gets ``None``
    back. No collective runs in the step.
@@ -148,6 +152,8 @@ class Reducer:
         self.units: "weakref.WeakSet[RoutingUnit]" = weakref.WeakSet()  # decided for this wrapper
         self.extra: List[RoutingUnit] = []  # units of no module inside (functional forms, a parameter)
         self.layout: Optional[Layout] = None
+        # names of the parameters left out of a DDP module's buckets, averaged here (own())
+        self.owned_names: frozenset = frozenset()
         self.needs_first = False  # made during a forward: that forward is reduced from its backward
         self.tied_per_call = False  # ... and its units tie per call until the next forward decides again
         self._forwards = itertools.count(1)
@@ -156,6 +162,12 @@ class Reducer:
         # step, or its gradient seen cleared): covered by a merged forward, used or used
         # conditionally on some rank; and whether its gradient was seen None since its last step.
         self.seen = self.used = self.cond = self.cleared = 0
+        self.unaveraged = 0  # positions used or used conditionally since the last averaging
+        # This rank's own since the last averaging: positions used, used conditionally or held by a
+        # compiled graph; owned positions without a gradient at the first backward's start; owned
+        # positions that got a gradient with no record (names: for the error every rank raises
+        # once the flag byte that the next forward's reduction carries comes back set).
+        self.local_used, self.start_undefined, self.unrecorded = 0, None, []
         self._synced = True  # the last backward synchronized gradients (or none ran yet)
         self._backwards = 0  # backwards started since the last step
         self.last_reset = 0
@@ -202,7 +214,7 @@ class Reducer:
         return unit.tying
 
     def reduces(self) -> bool:
-        return self.context_now() in _decide.REDUCED
+        return self.context_now() in _decide.REDUCED or bool(self.owned_names)
 
     def _layout(self) -> Optional[Layout]:
         if self.layout is not None and not self.layout.current():
@@ -211,8 +223,9 @@ class Reducer:
             self.layout = self._new_layout()
             if self.layout is None:
                 return None
-            self.seen = self.used = self.cond = self.cleared = 0
-            self.pending = [p for p in self.pending if len(p[1]) == 2 * self.layout.nbytes]
+            self.seen = self.used = self.cond = self.cleared = self.unaveraged = self.local_used = 0
+            self.start_undefined = None
+            self.pending = [p for p in self.pending if len(p[1]) == 2 * self.layout.nbytes + 1]
             REDUCERS.version += 1  # positions changed: the step hook's per-optimizer lists too
         return self.layout
 
@@ -223,7 +236,32 @@ class Reducer:
             return None
         units = [m._unit for m in _unit.routing_modules(root) if self.everything or m._unit.materialize is None]
         units += [u for u in self.extra if u.owner() is not None]
-        return Layout(root, units)
+        return Layout(root, units, self.owned_names)
+
+    def own(self, ddp: nn.Module, root: nn.Module) -> None:
+        """At the construction of the DDP module ``ddp`` (its module just set, its buckets not
+        built yet): take the parameters that only the groups of "auto" units hold out of DDP's
+        reducer (``parameters_to_ignore``, by the names DDP builds its buckets with) and
+        broadcast them from rank 0, as DDP does its own. From then on they are averaged at the
+        end of each backward that synchronizes (:meth:`_average_owned`), those that some rank
+        used only, and dead branches are never tied. DDP keeps at least one parameter (it
+        cannot be built without), sparse embeddings and parameters frozen now; nothing is taken
+        under DDP's Python reducer (compiled autograd), which handles dead branches itself."""
+        ignored = _compat.ddp_ignored_names(ddp)
+        if ignored is None or _compat.ddp_uses_python_reducer(ddp):
+            return
+        owned = ownable(root, ignored)
+        if not owned:
+            return
+        names = set()
+        for prefix, m in root.named_modules():
+            for n, p in m.named_parameters(recurse=False):
+                if id(p) in owned:
+                    names.update((f"{prefix}.{n}", f"{prefix}.{n}".lstrip(".")))  # DDP's and named_parameters()'
+        ignored |= names
+        self.owned_names = frozenset(names)
+        self.layout = None
+        _broadcast([p for p in root.parameters() if id(p) in owned], ddp.process_group)
 
     def _group(self) -> Any:
         group = self.process_group
@@ -297,6 +335,14 @@ class Reducer:
 
     def _launch(self):
         w = self.ref()
+        if self.owned_names and _compat.ddp_comm_hooks(w):
+            raise RuntimeError(
+                "maskedbranch: this DDP model has a communication hook (register_comm_hook, or DDP's "
+                "mixed_precision), which would not see the routed parameters: maskedbranch averages those "
+                "itself, leaving DDP's buckets only the rest. Pass materialize_grads=True to the routing "
+                "modules before building DDP (DDP then reduces every parameter, dead branches as zeros, "
+                "through the hook), or register no hook."
+            )
         if _compat.ddp_join_active(w):
             raise RuntimeError(
                 "maskedbranch: this DDP model runs inside torch.distributed.algorithms.Join (uneven "
@@ -306,9 +352,10 @@ class Reducer:
                 "every rank the same number of batches."
             )
         layout = self.layout
-        used, cond, dead = layout.take(self, TIED_AT_WRAPPER)
+        used, cond, dead, held = layout.take(self, TIED_AT_WRAPPER)
+        self.local_used |= used | cond | held
         nb = layout.nbytes
-        buf = bytearray(used.to_bytes(nb, "little") + cond.to_bytes(nb, "little"))
+        buf = bytearray(used.to_bytes(nb, "little") + cond.to_bytes(nb, "little") + bytes([bool(self.unrecorded)]))
         group = self._group() if nb and dist.is_available() and dist.is_initialized() else None
         if group is not None:
             t = torch.frombuffer(buf, dtype=torch.uint8)  # reduced in place: buf holds every rank's OR
@@ -328,6 +375,8 @@ class Reducer:
         if entry is None or entry[3]:
             return  # not this reducer's any more, or another output's hook came first
         self._merge(lambda e: e[2] < number)
+        if self.start_undefined is None and self.layout is not None and self.layout.owned:
+            self.start_undefined = from_bytes(self.layout.table.undefined(self.layout.owned_bytes))
         if self._synced and self.layout is not None:
             bits = from_bytes(self.layout.table.undefined(self.layout.grouped_bytes))
             # cleared: what earlier forwards used no longer counts
@@ -338,6 +387,36 @@ class Reducer:
         self._synced = sync
         self._backwards += 1
         entry[3] = True
+        if sync and self.layout is not None and self.layout.owned:
+            _compat.queue_backward_callback(self._average_owned)
+
+    def _average_owned(self) -> None:
+        """At the end of a backward that synchronizes: average the gradients of the owned
+        parameters that some rank used since the last averaging (the same set on every rank:
+        the reduced usage), one all-reduce per dtype and device on the DDP module's group, as
+        DDP's reducer averages its buckets (scaled by 1 / world size while copied in, summed).
+        Where a rank has no gradient it adds zeros and receives the average; the parameters
+        that no rank used keep what they hold (``None``, as for if/else)."""
+        self._merge(lambda entry: entry[3])
+        layout, w = self.layout, self.ref()
+        bits, self.unaveraged = (0 if layout is None else self.unaveraged & layout.owned), 0
+        if layout is not None and self.start_undefined is not None:
+            # a gradient produced in these backwards with no record of its group running: a branch
+            # called directly (``layer[k](x)``), which no rank averages; every rank raises once
+            # the next forward's reduction brings the flag
+            produced = self.start_undefined & ~from_bytes(layout.table.undefined(layout.owned_bytes))
+            self.unrecorded += [layout.names[k] for k in positions(produced & ~self.local_used)]
+        self.start_undefined, self.local_used = None, 0
+        if not bits or w is None:
+            return
+        group = w.process_group
+        scale = 1.0 / dist.get_world_size(group)
+        for kind in layout.owned_sets:
+            if bits & kind:
+                these = as_bytes(bits & kind, layout.nbytes)
+                flat = layout.table.gather(these, scale)
+                dist.all_reduce(flat, group=group)
+                layout.table.scatter(these, flat)
 
     def _merge(self, which) -> None:
         """Wait for the reductions of the pending forwards ``which`` selects and OR them in."""
@@ -351,11 +430,29 @@ class Reducer:
             work, buf = entry[0], entry[1]
             if work is not None:
                 work.wait()
-            if layout is not None and len(buf) == 2 * nb:
+            if buf and buf[-1]:
+                self._raise_unrecorded()
+            if layout is not None and len(buf) == 2 * nb + 1:
                 self.seen |= layout.resettable
-                self.used |= int.from_bytes(buf[:nb], "little")
-                self.cond |= int.from_bytes(buf[nb:], "little")
+                used, cond = int.from_bytes(buf[:nb], "little"), int.from_bytes(buf[nb:], "little")
+                self.used |= used
+                self.cond |= cond
+                self.unaveraged |= used | cond
         self.pending = keep
+
+    def _raise_unrecorded(self) -> None:
+        names, self.unrecorded = self.unrecorded, []
+        self.pending = []
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "") if names else (
+            "parameters of another rank")
+        raise RuntimeError(
+            f"maskedbranch: {shown} got a gradient in a backward although no routing module ran them in the "
+            "forward (a branch called directly, layer[k](x), instead of through its routing module). "
+            "DistributedDataParallel left them to maskedbranch, which averages only the branches their "
+            "routing module ran, so that step's gradients were not averaged for them. Call the routing "
+            "module on every rank (-1 for no branch), or pass materialize_grads=True to keep them in DDP's "
+            "buckets."
+        )
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -465,6 +562,37 @@ def _no_wrapper() -> None:
     return None
 
 
+def ownable(root: nn.Module, ignored: frozenset = frozenset()) -> set:
+    """The ids of the parameters of ``root`` that a DDP module built around it leaves to the
+    reducer (:meth:`Reducer.own`): those only the groups of "auto" units hold, trainable, not a
+    sparse embedding's, not ignored already. Empty where DDP would keep no trainable parameter of
+    its own (it cannot be built without one) or the backward's end cannot be reached."""
+    if not _compat.can_queue_backward_callback():
+        return set()
+    layout = Layout(root, [m._unit for m in _unit.routing_modules(root) if m._unit.materialize is None])
+    sparse = {id(p) for m in root.modules() if getattr(m, "sparse", False) is True for p in m.parameters(recurse=False)}
+    owned = {id(layout.params[k]) for k in positions(layout.resettable)
+             if layout.params[k].requires_grad and id(layout.params[k]) not in sparse and layout.names[k] not in ignored}
+    if all(id(p) in owned or not p.requires_grad or n in ignored for n, p in root.named_parameters()):
+        return set()
+    return owned
+
+
+def _broadcast(params: List[Tensor], group: Any) -> None:
+    """Copy rank 0's values of ``params`` to every rank of ``group``, one broadcast per dtype
+    and device."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    kinds: dict = {}
+    for p in params:
+        kinds.setdefault((p.device, p.dtype), []).append(p)
+    with torch.no_grad():
+        for ps in kinds.values():
+            flat = torch.cat([p.detach().reshape(-1) for p in ps])
+            dist.broadcast(flat, src=src, group=group)
+            for p, v in zip(ps, flat.split([p.numel() for p in ps])):
+                p.copy_(v.view_as(p))
+
+
 class LocalReducer(Reducer):
     """The reducer of the routing units that no wrapper runs (world size 1: one process, a
     rank-local model) and that were compiled with the default ``materialize_grads``: their
@@ -517,7 +645,7 @@ class LocalReducer(Reducer):
         # The forward and backward phases, read now: a gradient that is not the tensor noted at
         # the previous step (of any optimizer) was cleared and produced again since, so only
         # the calls recorded since count for it; the others keep what earlier calls used.
-        used, cond, _ = layout.take(self, ())
+        used, cond, _, _ = layout.take(self, ())
         changed = from_bytes(layout.table.changed(layout.grouped_bytes))
         self.used = (self.used & ~changed) | used | cond
         self.seen |= layout.resettable

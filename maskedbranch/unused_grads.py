@@ -4,8 +4,9 @@ to ``None``, so that the optimizer skips those parameters exactly as with if/els
 
 Where zeros come from: under a data-parallel wrapper, routing modules give the parameters of
 branches that did not run a gradient so that the wrapper's reduction works
-(maskedbranch/_decide.py), and the wrapper writes zeros for a branch no rank ran; in a
-compiled graph every branch runs, on no rows when it is dead, so its parameters get zeros too.
+(maskedbranch/_decide.py), and the wrapper writes zeros for a branch no rank ran (not for those a
+DDP module left to maskedbranch, which keep ``None``); in a compiled graph every branch runs, on
+no rows when it is dead, so its parameters get zeros too.
 Which ones no rank used is decided where every rank takes part, after each forward of the
 wrapper (maskedbranch/_reducer.py); in one process and in a model that no wrapper runs, from the
 module's own record. The step only reads those decisions: no collective runs in
@@ -85,7 +86,7 @@ def _registered(parent: nn.Module, name: str, child: Any) -> None:
         return  # (a graph module built while a graph is traced: no DDP is made there)
     if name == "module" and isinstance(parent, nn.parallel.DistributedDataParallel) and isinstance(child, nn.Module):
         if _unit.routing_modules(child):
-            _reducer.reducer_for(parent, before_forward=True)
+            _reducer.reducer_for(parent, before_forward=True).own(parent, child)
 
 
 def _created(unit: RoutingUnit) -> None:

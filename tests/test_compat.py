@@ -7,6 +7,9 @@
 * active_ddp: without DDP's private attribute it reports no module, and the dead-gradient policy
   of a distributed job then falls back to zeros, which every DDP setting accepts (its DDP side is
   tested with real processes in the DDP tests).
+* queue_backward_callback, ddp_ignored_names: the callback runs after the backward's gradients;
+  the fallback queues nothing, and DDP then keeps the routed parameters in its buckets (trained
+  against if/else with real processes: tests/test_ddp_masked_branch.py, "no_queue_callback_fallback").
 """
 import contextlib
 
@@ -211,3 +214,26 @@ def test_recompile_limit(monkeypatch, fallback):
     monkeypatch.setitem(_compat._force_fallback, "recompile_limit", fallback)
     with config.patch(**{name: 5}):
         assert _compat.recompile_limit() == (None if fallback else 5)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_queue_backward_callback(monkeypatch, fallback):
+    """The callback runs once the backward has accumulated every gradient; the fallback queues
+    nothing and says so (the routed parameters then stay in DDP's buckets)."""
+    monkeypatch.setitem(_compat._force_fallback, "callback", fallback)
+    w = torch.nn.Parameter(torch.ones(3))
+    seen, queued = [], []
+
+    def hook(grad):
+        queued.append(_compat.queue_backward_callback(lambda: seen.append(w.grad.clone())))
+        return grad
+
+    y = (w * 2).sum()
+    y.register_hook(hook)
+    y.backward()
+    assert queued == [not fallback]
+    assert _compat.can_queue_backward_callback() is (not fallback)
+    assert [s.tolist() for s in seen] == ([] if fallback else [[2.0, 2.0, 2.0]])
+    ddp_like = type("NotDDP", (), {"parameters_to_ignore": {"a"}})()
+    assert _compat.ddp_ignored_names(ddp_like) == (None if fallback else {"a"})
+    assert _compat.ddp_comm_hooks(ddp_like) == []

@@ -140,15 +140,24 @@ def flat(model):
 # Scenarios, run on every rank.
 
 
-def train(rank, group, opt_name, steps=8, kind="mixed", accumulate=1, bn=False, soft=False, fallback=False, **ddp_kwargs):
+def train(rank, group, opt_name, steps=8, kind="mixed", accumulate=1, bn=False, soft=False, fallback=False,
+          no_callback=False, **ddp_kwargs):
     """MaskedBranch with no flag under DDP(**ddp_kwargs) against if/else under
-    DDP(find_unused_parameters=True), step by step."""
+    DDP(find_unused_parameters=True), step by step. ``no_callback``: DDP built without
+    ``_compat.queue_backward_callback`` (every parameter stays DDP's, dead ones tied)."""
     masked, ifelse = pair(11, bn=bn, soft=soft)
     sync = {"broadcast_buffers": True} if bn else {}
-    models = {
-        "masked": DDP(masked, process_group=group, **ddp_kwargs, **sync),
-        "ifelse": DDP(ifelse, process_group=group, find_unused_parameters=True, **sync),
-    }
+    _compat._force_fallback["callback"] = no_callback
+    try:
+        models = {
+            "masked": DDP(masked, process_group=group, **ddp_kwargs, **sync),
+            "ifelse": DDP(ifelse, process_group=group, find_unused_parameters=True, **sync),
+        }
+    finally:
+        _compat._force_fallback["callback"] = False
+    owned = sorted(n for n in models["masked"].parameters_to_ignore if not n.startswith("."))
+    expected = [] if no_callback else sorted(n for n, _ in masked.named_parameters() if n.startswith("choices."))
+    assert owned == expected, (owned, expected)
     opts = {k: make_optimizer(opt_name, m.parameters()) for k, m in models.items()}
     worst, none_mismatch, none_grads, history = 0.0, [], 0, []
     _compat._force_fallback["ddp"] = fallback
@@ -181,6 +190,7 @@ SETTINGS = {
     "gradient_as_bucket_view": dict(gradient_as_bucket_view=True),
     "no_sync": dict(accumulate=2),
     "no_active_ddp_fallback": dict(fallback=True),  # _compat.active_ddp() without the private attribute
+    "no_queue_callback_fallback": dict(no_callback=True),
 }
 TRAININGS = {f"{name}-{opt}": dict(opt_name=opt, **kw) for name, kw in SETTINGS.items() for opt in ("sgd", "adamw")}
 TRAININGS["soft-router"] = dict(opt_name="sgd", kind="soft", soft=True)
@@ -210,6 +220,66 @@ def scenario_reference(rank, world, group):
             opt.zero_grad(set_to_none=True)
         out[name] = seen
     return out
+
+
+class Routed(nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        self.pre, self.choices, self.head = nn.Linear(4, D), MaskedBranch([make_branch() for _ in range(n)]), nn.Linear(D, 2)
+
+    def forward(self, x, k):
+        return self.head(self.choices(torch.tanh(self.pre(x)), k))
+
+
+def scenario_owned(rank, world, group):
+    """The routed parameters leave DDP's buckets: initialized differently on each rank, they are
+    broadcast from rank 0 at DDP's construction; no forward ties them; a branch no rank runs
+    keeps a None gradient (before any step); a branch one rank runs gets the average."""
+    from maskedbranch import _autograd
+
+    torch.manual_seed(100 + rank)
+    net = Routed()
+    model = DDP(net, process_group=group)
+    ties, tie_outputs = [], _autograd.tie_outputs
+    _autograd.tie_outputs = lambda *a, **k: ties.append(1) or tie_outputs(*a, **k)
+    try:
+        x = torch.full((2, 4), float(rank + 1))
+        model(x, 0 if rank == 0 else 1).sum().backward()
+    finally:
+        _autograd.tie_outputs = tie_outputs
+    grads = [None if p.grad is None else p.grad.clone() for p in net.choices.parameters()]
+    return {"params": flat(net), "ignored": sorted(model.parameters_to_ignore), "ties": len(ties), "grads": grads,
+            "names": [n for n, _ in net.choices.named_parameters()]}
+
+
+def scenario_branch_called_directly(rank, world, group):
+    """Branches of a routing module called directly (``choices[k](h)``): DDP left their parameters
+    to maskedbranch, which sees no record of them running; every rank raises in the next step's
+    backward (as DDP raises at the next forward for parameters it holds): the step's gradients
+    were not averaged for them."""
+    torch.manual_seed(0)
+    net = Routed()
+    model = DDP(net, process_group=group)
+    net.forward = lambda x, k: net.head(net.choices[k](torch.tanh(net.pre(x))))
+    errors = []
+    for step in range(3):
+        try:
+            model(torch.ones(2, 4), rank % 2).sum().backward()
+        except RuntimeError as e:
+            errors.append((step, str(e)))
+    return errors
+
+
+def scenario_comm_hook_refused(rank, world, group):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = DDP(Routed(), process_group=group)
+    model.register_comm_hook(group, default_hooks.allreduce_hook)
+    try:
+        model(torch.ones(2, 4), rank % 2).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
 
 
 class IfElse(nn.Module):
@@ -251,7 +321,8 @@ def _worker(rank, world, init_file, out_dir):
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
     )
-    jobs = [(fn.__name__, fn) for fn in (scenario_reference, scenario_reference_ifelse, scenario_static_graph_refuses_undefined)]
+    jobs = [(fn.__name__, fn) for fn in (scenario_reference, scenario_reference_ifelse, scenario_static_graph_refuses_undefined,
+                                         scenario_owned, scenario_branch_called_directly, scenario_comm_hook_refused)]
     jobs += [(name, lambda r, w, g, kw=kw: train(r, g, **kw)) for name, kw in TRAININGS.items()]
     results = {}
     for name, fn in jobs:
@@ -305,6 +376,35 @@ def test_reference_case_ifelse_fails(ranks):
 def test_static_graph_refuses_undefined_gradients(ranks):
     for msg in results_of(ranks, "scenario_static_graph_refuses_undefined"):
         assert "materialize_grads=False under DistributedDataParallel(static_graph=True)" in msg, msg
+
+
+def test_routed_parameters_leave_ddps_buckets(ranks):
+    per_rank = results_of(ranks, "scenario_owned")
+    names = per_rank[0]["names"]
+    assert per_rank[0]["ignored"] == sorted({f"choices.{n}" for n in names}), per_rank[0]["ignored"]
+    for r, res in enumerate(per_rank):
+        assert torch.equal(res["params"], per_rank[0]["params"]), f"rank {r}: not broadcast from rank 0"
+        assert res["ties"] == 0, f"rank {r}: the wrapper tied {res['ties']} times"
+        for n, g in zip(names, res["grads"]):
+            if n.startswith("2."):  # branch 2: no rank ran it, as if/else
+                assert g is None, f"rank {r}: {n} got a gradient"
+            else:  # averaged: the same on every rank, nonzero
+                assert g is not None and torch.equal(g, per_rank[0]["grads"][names.index(n)]), f"rank {r}: {n}"
+                assert bool(g.abs().sum() > 0), f"rank {r}: {n}"
+
+
+def test_branches_called_directly_raise_on_every_rank(ranks):
+    for r, errors in enumerate(results_of(ranks, "scenario_branch_called_directly")):
+        assert errors and errors[0][0] == 1, f"rank {r}: {errors}"  # (later steps: DDP's own error follows)
+        msg = errors[0][1]
+        assert "no routing module ran them" in msg and "layer[k](x)" in msg, msg
+        if r % 2 == 0:  # this rank's own parameters are named (rank 0's ran branch 0, rank 1's branch 1)
+            assert "choices.0.0.weight" in msg, msg
+
+
+def test_comm_hook_refused_where_routed_parameters_are_averaged_apart(ranks):
+    for msg in results_of(ranks, "scenario_comm_hook_refused"):
+        assert "communication hook" in msg and "materialize_grads=True" in msg, msg
 
 
 @pytest.mark.parametrize("name", list(TRAININGS))

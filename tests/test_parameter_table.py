@@ -111,3 +111,49 @@ def test_changed_names_the_gradients_made_since_noted():
     assert from_bytes(table.changed(as_bytes(0b0010, 2))) == 0b0010  # only the positions asked
     table.note(as_bytes(0b1111, 2))
     assert from_bytes(table.changed(all_bits)) == 0
+
+
+@pytest.mark.parametrize("n", [1, 9, 70])
+def test_gather_and_scatter_match_python(n):
+    """gather: the set's gradients times the scale, one after another (zeros where a parameter
+    has none), with DDP's bucket fill (grad * (1 / world)); scatter: each slice back, copied into
+    the gradient tensor that is there (the same object) or as a new one with the parameter's
+    strides."""
+    rng = random.Random(n)
+    for scale in (0.5, 1.0 / 3):
+        ps = params(n, seed=n)
+        if n > 2:  # a channels-last parameter keeps its strides in a new gradient
+            ps[1] = torch.nn.Parameter(torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last))
+        table = _ops.parameter_table(ps)
+        bits = rng.getrandbits(n) | 1
+        chosen = [p for k, p in enumerate(ps) if bits >> k & 1]
+        want = torch.cat([(p.grad * scale if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in chosen])
+        flat = table.gather(as_bytes(bits, (n + 7) // 8), scale)
+        assert torch.equal(flat, want)
+        held = [p.grad for p in chosen]
+        table.scatter(as_bytes(bits, (n + 7) // 8), flat * 2)
+        offset = 0
+        for p, before in zip(chosen, held):
+            assert torch.equal(p.grad.reshape(-1), 2 * want[offset:offset + p.numel()])
+            assert p.grad is before if before is not None else p.grad.stride() == p.stride()
+            offset += p.numel()
+
+
+def test_gather_and_scatter_bad_arguments_name_them():
+    ps = params(4) + [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]
+    table = _ops.parameter_table(ps)
+    with pytest.raises(RuntimeError, match="bits: the set is empty"):
+        table.gather(as_bytes(0, 1), 1.0)
+    with pytest.raises(RuntimeError, match="bits: position 4 is a Double parameter .* gather one dtype and device at a time"):
+        table.gather(as_bytes(0b10001, 1), 1.0)
+    before = ps[0].grad.clone()
+    with pytest.raises(RuntimeError, match="flat: holds 4 elements, the set's parameters 6"):
+        table.scatter(as_bytes(0b11, 1), torch.zeros(4))
+    assert torch.equal(ps[0].grad, before)  # nothing written
+    with pytest.raises(RuntimeError, match="flat: holds 7 elements, the set's parameters 6"):
+        table.scatter(as_bytes(0b11, 1), torch.zeros(7))
+    ps[0].grad = torch.ones(3).to_sparse()
+    with pytest.raises(RuntimeError, match="only dense gradients are gathered"):
+        table.gather(as_bytes(0b1, 1), 1.0)
+    ps[0].grad = None
+    assert torch.equal(table.gather(as_bytes(0b101, 1), 1.0), torch.tensor([0.0, 0, 0, 2, 2, 2]))  # still works

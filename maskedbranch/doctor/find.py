@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .. import _functional, _structure, _unit
+from .. import _functional, _reducer, _structure, _unit
 from ..integrations._transformers_rules import RULES as _HF_LAYERDROP
 from ..nn import MaskedBranch
 from ..residual import ResidualDropPath
@@ -105,12 +105,13 @@ def find_divergent_parameters(
         watch.close()
         for m, mode in modes:
             m.training = mode
-    uses = [R.ParameterUse(names[0], tuple(p.shape), tuple(s[i] for s in states), tuple(names[1:]))
+    owned = _reducer.ownable(model)  # (what a DDP built around it leaves to maskedbranch)
+    uses = [R.ParameterUse(names[0], tuple(p.shape), tuple(s[i] for s in states), tuple(names[1:]), owned=id(p) in owned)
             for i, (names, p) in enumerate(trainable)]
     ran = [r for r in range(len(inputs_per_rank)) if r not in {f.rank for f in failures}]
     not_called = _classify(model, params, uses, watch, ran)
     routing = watch.routing
-    flagged = {u.detail for u in uses if u.finding == R.NOT_CALLED}
+    flagged = {u.detail for u in uses if u.finding in (R.NOT_CALLED, R.LEFT)}
     # Not called, yet no row says so: its branches ran directly, or it has no trainable parameters.
     notes.update((_never_called(r) + ".", []) for r in routing if r.name in not_called and _never_called(r) not in flagged)
     one = len(inputs_per_rank) == 1
@@ -223,7 +224,10 @@ def _classify(model: nn.Module, params: List[Tensor], uses: List[R.ParameterUse]
             for k, i in own:
                 units.setdefault(k, []).append(i)
             unpicked = [k for k, us in units.items() if not any(routing[k].branch_ran(i) for i in us)]
-            if unpicked and R.GRAD not in u.ranks:
+            uncalled = [routing[k] for k in unpicked if routing[k].name in not_called]
+            if uncalled and u.owned and not u.used_on:
+                u.finding, u.detail = R.LEFT, _never_called(uncalled[0])
+            elif unpicked and R.GRAD not in u.ranks and not uncalled:
                 u.finding, u.detail = R.NOT_SAMPLED, _sampling(routing[unpicked[0]], len(ran))
         elif u.kind == "divergent":
             u.finding = R.DIVERGENT

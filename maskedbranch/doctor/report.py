@@ -16,6 +16,8 @@ _LEGEND = (f"  {GRAD} gradient   {ZERO} zero gradient   {TIED} in the graph, no 
 # Findings. All but OK and NOT_SAMPLED break DDP with find_unused_parameters=False.
 OK, NOT_SAMPLED, DIVERGENT, CHOICE, NOT_CALLED, UNUSED_ = (
     "ok", "not sampled", "divergent", "choice not sampled", "not called", "unused")
+# A routing module never called whose parameters DDP leaves to maskedbranch: fine for DDP.
+LEFT = "NOT CALLED, no gradient (DDP leaves its parameters to maskedbranch)"
 # finding -> (the table's words, the verdict's words, the advice)
 _FINDINGS = {
     DIVERGENT: ("DIVERGENT", "used on some ranks only",
@@ -52,6 +54,7 @@ class ParameterUse:
     aliases: Tuple[str, ...] = ()  # other qualified names of the same (tied) parameter
     finding: str = OK
     detail: str = ""  # the routing module or choice concerned
+    owned: bool = False  # left out of DDP's buckets (maskedbranch averages it): unused on every rank is fine
 
     @property
     def used_on(self) -> List[int]:  # ranks where it is in the graph (its DDP hook fires)
@@ -64,6 +67,8 @@ class ParameterUse:
     @property
     def kind(self) -> str:  # as DDP sees it: in the graph on every rank that ran, on none, on some
         used, unused = self.used_on, self.unused_on
+        if self.owned and unused and not used:
+            return "ok"
         return "unknown" if not used and not unused else "ok" if not unused else "divergent" if used else "unused"
 
 
@@ -182,7 +187,10 @@ class Report:
             out.append(("" if failed else "Verdict: ") + "safe for DDP with find_unused_parameters=False" + (
                 " on this input; routing that depends on the input or on random draws can still differ "
                 "between ranks: run several (find_divergent_parameters, or --ranks K)." if self.num_ranks == 1
-                else f": every trainable parameter is in the autograd graph on all {self.num_ranks} ranks."))
+                else f": every trainable parameter is in the autograd graph on all {self.num_ranks} ranks"
+                + (" but those of routing modules never called, which DDP leaves to maskedbranch and which keep "
+                   "no gradient, as with find_unused_parameters=True." if any(p.finding == LEFT for p in self.parameters)
+                   else ".")))
         else:
             counts = {f: sum(p.finding == f for p in bad) for f in _FINDINGS}
             modules = len({g.module for g in self.groups if g.finding in _FINDINGS})
