@@ -19,7 +19,7 @@ EXPLICIT            ZEROS              ZEROS    NONE
   nothing tied, as with if/else. DDP_FIND_UNUSED: DDP's graph walk finds the dead parameters
   itself and leaves a gradient that no rank produced untouched, as for if/else.
 * DDP (the C++ reducer): the parameters DDP left to the reducer at its construction (every
-  routed one, in a model with others) are never tied (the layout leaves their units out of the
+  routed one but the first in a model of routing modules only) are never tied (the layout leaves their units out of the
   tie) and are averaged by the reducer; the reducer ties the dead parameters DDP kept once per
   forward, with no gradient (DDP fills zeros into its buckets); DDP_STATIC learns from the first
   step which parameters get a hook and needs a defined gradient for them, so the wrapper tie

@@ -63,7 +63,8 @@ class Layout:
     set); and per unit a table of its groups (maskedbranch/_structure.py), whose cache gives
     the parameters to tie. A forward costs a few lookups per unit."""
 
-    def __init__(self, root: Optional[nn.Module], units: List[RoutingUnit], owned_names: frozenset = frozenset()):
+    def __init__(self, root: Optional[nn.Module], units: List[RoutingUnit], owned_names: frozenset = frozenset(),
+                 kept_name: Optional[str] = None):
         if root is None:  # units that no wrapper runs: their groups' parameters, each once
             named = list({id(p): (f"{u.where}.{i}.{j}", p) for u in units
                           for i, ps in enumerate(u.groups()) for j, p in enumerate(ps)}.values())
@@ -121,7 +122,10 @@ class Layout:
         self.owned_sets = list(by_kind.values())
         self.owned_bytes = as_bytes(self.owned, self.nbytes)
         self.unit_bits = {u: functools.reduce(operator.or_, self._positions[u], 0) for u in self.units}
-        tieless = self.owned | sum(1 << k for k, p in enumerate(self.params) if not p.requires_grad)
+        # (a DDP module holding routed parameters only keeps one of them: tied into every forward)
+        kept = [k for k, n in enumerate(self.names) if n == kept_name]
+        self.always_tied = [self.params[k] for k in kept]
+        tieless = self.owned | sum(1 << k for k in kept) | sum(1 << k for k, p in enumerate(self.params) if not p.requires_grad)
         self.untied = {u for u in self.units if not self.unit_bits[u] & ~tieless}
         # Per unit, the units inside one of its groups (a MaskedBranch in a LayerDrop layer) with
         # their positions: when such a unit is called, it decides for its parameters.

@@ -10,7 +10,8 @@ imports it. A reducer acts only through hooks on its own wrapper, in phases (doc
 them beside DDP's):
 
 0. **At a DDP module's construction** (:meth:`Reducer.own`): the parameters that only routing
-   groups hold leave DDP's buckets (where DDP keeps another one) and are broadcast from rank 0.
+   groups hold leave DDP's buckets (DDP keeps at least one parameter) and are broadcast from
+   rank 0.
 1. **Before each forward** (a forward pre-hook): the wrapper pushes itself on
    ``_unit.DATA_PARALLEL.running`` (so a routed call compares one object with its unit's
    decision) and clears its units' records (calls made since, outside its forward, such as a
@@ -41,7 +42,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -154,6 +155,7 @@ class Reducer:
         self.layout: Optional[Layout] = None
         # names of the parameters left out of a DDP module's buckets, averaged here (own())
         self.owned_names: frozenset = frozenset()
+        self.kept_name: Optional[str] = None  # ... and the routed one DDP keeps (ownable())
         self.needs_first = False  # made during a forward: that forward is reduced from its backward
         self.tied_per_call = False  # ... and its units tie per call until the next forward decides again
         self._forwards = itertools.count(1)
@@ -236,7 +238,7 @@ class Reducer:
             return None
         units = [m._unit for m in _unit.routing_modules(root) if self.everything or m._unit.materialize is None]
         units += [u for u in self.extra if u.owner() is not None]
-        return Layout(root, units, self.owned_names)
+        return Layout(root, units, self.owned_names, self.kept_name)
 
     def own(self, ddp: nn.Module, root: nn.Module) -> None:
         """At the construction of the DDP module ``ddp`` (its module just set, its buckets not
@@ -245,14 +247,15 @@ class Reducer:
         broadcast them from rank 0, as DDP does its own. From then on they are averaged at the
         end of each backward that synchronizes (:meth:`_average_owned`), those that some rank
         used only, and dead branches are never tied. DDP keeps at least one parameter (it
-        cannot be built without), sparse embeddings and parameters frozen now; nothing is taken
+        crashes without), sparse embeddings and parameters frozen now; nothing is taken
         under DDP's Python reducer (compiled autograd), which handles dead branches itself."""
         ignored = _compat.ddp_ignored_names(ddp)
         if ignored is None or _compat.ddp_uses_python_reducer(ddp):
             return
-        owned = ownable(root, ignored)
+        owned, kept = ownable(root, ignored)
         if not owned:
             return
+        self.kept_name = next((n for n, p in root.named_parameters() if id(p) == kept), None)
         names = set()
         for prefix, m in root.named_modules():
             for n, p in m.named_parameters(recurse=False):
@@ -353,6 +356,8 @@ class Reducer:
             )
         layout = self.layout
         used, cond, dead, held = layout.take(self, TIED_AT_WRAPPER)
+        if layout.always_tied and self.context in (_decide.DDP, _decide.DDP_STATIC):
+            dead = dead + layout.always_tied
         self.local_used |= used | cond | held
         nb = layout.nbytes
         buf = bytearray(used.to_bytes(nb, "little") + cond.to_bytes(nb, "little") + bytes([bool(self.unrecorded)]))
@@ -562,20 +567,24 @@ def _no_wrapper() -> None:
     return None
 
 
-def ownable(root: nn.Module, ignored: frozenset = frozenset()) -> set:
+def ownable(root: nn.Module, ignored: frozenset = frozenset()) -> Tuple[set, Optional[int]]:
     """The ids of the parameters of ``root`` that a DDP module built around it leaves to the
     reducer (:meth:`Reducer.own`): those only the groups of "auto" units hold, trainable, not a
-    sparse embedding's, not ignored already. Empty where DDP would keep no trainable parameter of
-    its own (it cannot be built without one) or the backward's end cannot be reached."""
+    sparse embedding's, not ignored already (none where the backward's end cannot be reached);
+    and the id of the one DDP keeps where it would keep no trainable parameter of its own (it
+    crashes without one): the first, which the wrapper ties into every forward's outputs, so
+    that DDP's hook for it fires on every rank whatever ran."""
     if not _compat.can_queue_backward_callback():
-        return set()
+        return set(), None
     layout = Layout(root, [m._unit for m in _unit.routing_modules(root) if m._unit.materialize is None])
     sparse = {id(p) for m in root.modules() if getattr(m, "sparse", False) is True for p in m.parameters(recurse=False)}
-    owned = {id(layout.params[k]) for k in positions(layout.resettable)
-             if layout.params[k].requires_grad and id(layout.params[k]) not in sparse and layout.names[k] not in ignored}
-    if all(id(p) in owned or not p.requires_grad or n in ignored for n, p in root.named_parameters()):
-        return set()
-    return owned
+    owned = [id(layout.params[k]) for k in positions(layout.resettable)
+             if layout.params[k].requires_grad and id(layout.params[k]) not in sparse and layout.names[k] not in ignored]
+    owned_set = set(owned)
+    if owned and all(id(p) in owned_set or not p.requires_grad or n in ignored for n, p in root.named_parameters()):
+        owned_set.discard(owned[0])
+        return owned_set, owned[0]
+    return owned_set, None
 
 
 def _broadcast(params: List[Tensor], group: Any) -> None:

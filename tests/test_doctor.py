@@ -356,9 +356,10 @@ def test_residual_drop_path_not_sampled_with_its_probability():
 
 
 def test_masked_branch_that_is_never_called():
-    """A routing module never called: where DDP leaves its parameters to maskedbranch (the model
-    has others) they keep no gradient, as with find_unused_parameters=True, and DDP is fine; in a
-    model of routing modules only DDP keeps them and breaks."""
+    """A routing module never called: DDP leaves its parameters to maskedbranch, they keep no
+    gradient, as with find_unused_parameters=True, and DDP is fine (with routed parameters only
+    too: the one DDP keeps is tied into every forward); with an explicit materialize_grads DDP
+    keeps them, and breaks."""
     model = fx.NotCalled()
     model.activations = maskedbranch.MaskedBranch([nn.Identity(), nn.ReLU()])  # no parameters
     report = find_divergent_parameters(model, [(torch.randn(2, 4),)] * 2)
@@ -368,8 +369,12 @@ def test_masked_branch_that_is_never_called():
     text = " ".join(str(report).split())
     assert "no gradient (DDP leaves its parameters to maskedbranch): MaskedBranch choices is in the model, but the forward never calls it" in text
     assert "which keep no gradient, as with find_unused_parameters=True" in text
-    model.body.weight.requires_grad_(False)
+    model.body.weight.requires_grad_(False)  # routed parameters only: DDP keeps the first, tied in every forward
     model.body.bias.requires_grad_(False)
+    report = find_divergent_parameters(model, [(torch.randn(2, 4),)] * 2)
+    assert report.safe and [g[1:] for g in groups(report)] == [
+        (4, "--", "NOT CALLED, no gradient (DDP leaves its parameters to maskedbranch)")]
+    model.choices.materialize_grads = "zeros"
     report = find_divergent_parameters(model, [(torch.randn(2, 4),)] * 2)
     assert [g[1:] for g in groups(report)] == [(4, "--", "not called")] and not report.safe
     text = " ".join(str(report).split())
