@@ -147,10 +147,12 @@ def ddp_join_active(module) -> bool:
 
 def queue_backward_callback(fn) -> bool:
     """Queue ``fn`` to run when the backward that is running ends (called from a hook inside it);
-    False where it cannot be queued."""
+    False where it cannot be queued: also while compiled autograd traces the backward (torch 2.6
+    asserts there; only DDP's C++ reducer leaves parameters to maskedbranch, and torch refuses it
+    under compiled autograd with its own error)."""
     engine = getattr(torch.autograd.Variable, "_execution_engine", None)
     queue = getattr(engine, "queue_callback", None)
-    if queue is None or _force_fallback["callback"]:
+    if queue is None or _force_fallback["callback"] or compiled_autograd_tracing():
         return False
     queue(fn)
     return True

@@ -241,8 +241,10 @@ def test_ifelse_under_the_python_reducer_is_silently_wrong(ranks):
 @pytest.mark.slow  # the compiled-autograd DDP job
 def test_refusals(ranks):
     for res in results_of(ranks, "refusals"):
-        # torch's own refusal; torch 2.6 fails with another message there
-        torch_says = "tensor does not have a device" if OLD_TORCH else "Compiled autograd is not compatible with C++ DDP Reducer"
-        assert torch_says in res["cpp_reducer"], res["cpp_reducer"]
+        # torch's own refusal; torch 2.6 fails inside compiled autograd's trace instead, with a
+        # message that depends on the graph (the routed parameters are not DDP's there)
+        torch_says = (("tensor does not have a device", "Expected a proper Tensor but got None") if OLD_TORCH
+                      else ("Compiled autograd is not compatible with C++ DDP Reducer",))
+        assert any(m in res["cpp_reducer"] for m in torch_says), res["cpp_reducer"]
         assert "materialize_grads=False with DDP's Python reducer" in res["undefined"], res["undefined"]
         assert "under DDP's Python reducer (compiled autograd) a branch with parameters must be an nn.Module" in res["function"], res["function"]
