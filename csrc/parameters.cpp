@@ -23,6 +23,7 @@
 #include <torch/custom_class.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 namespace maskedbranch {
@@ -59,6 +60,19 @@ struct Parameters : torch::CustomClassHolder {
       : params(std::move(params)), noted(this->params.size(), WeakTensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>())) {}
 
   int64_t size() const { return static_cast<int64_t>(params.size()); }
+
+  // The positions in `bits` (each holding a parameter; at least one) and their elements in all.
+  std::pair<std::vector<int64_t>, int64_t> members(const at::Tensor& bits) const {
+    std::vector<int64_t> ks;
+    int64_t total = 0;
+    for_each_position(bits, size(), [&](int64_t k) {
+      TORCH_CHECK(params[static_cast<size_t>(k)].defined(), "bits: position ", k, " holds no parameter");
+      ks.push_back(k);
+      total += params[static_cast<size_t>(k)].numel();
+    });
+    TORCH_CHECK(!ks.empty(), "bits: the set is empty");
+    return {std::move(ks), total};
+  }
 
   // The tensor an optimizer holds for position k (FSDP2 puts sharded parameters in the wrapper).
   void set(int64_t k, const at::Tensor& p) {
@@ -104,15 +118,7 @@ struct Parameters : torch::CustomClassHolder {
   // zeros for a parameter without one. Multiplying while copying is what DDP's reducer does to
   // fill its buckets (with scale 1 / world size), so the average has the same bits.
   at::Tensor gather(const at::Tensor& bits, double scale) const {
-    std::vector<int64_t> ks;
-    int64_t total = 0;
-    for_each_position(bits, size(), [&](int64_t k) {
-      const at::Tensor& p = params[static_cast<size_t>(k)];
-      TORCH_CHECK(p.defined(), "bits: position ", k, " holds no parameter");
-      ks.push_back(k);
-      total += p.numel();
-    });
-    TORCH_CHECK(!ks.empty(), "bits: the set is empty");
+    const auto [ks, total] = members(bits);
     const at::Tensor& first = params[static_cast<size_t>(ks[0])];
     at::Tensor flat = at::empty({total}, first.options());
     const auto factor = at::scalar_tensor(scale, at::TensorOptions().dtype(at::kDouble));
@@ -140,13 +146,7 @@ struct Parameters : torch::CustomClassHolder {
   // its gradient, or as a new gradient (with its parameter's strides) where it has none. The
   // sizes are checked before anything is written.
   void scatter(const at::Tensor& bits, const at::Tensor& flat) {
-    std::vector<int64_t> ks;
-    int64_t total = 0;
-    for_each_position(bits, size(), [&](int64_t k) {
-      TORCH_CHECK(params[static_cast<size_t>(k)].defined(), "bits: position ", k, " holds no parameter");
-      ks.push_back(k);
-      total += params[static_cast<size_t>(k)].numel();
-    });
+    const auto [ks, total] = members(bits);
     TORCH_CHECK(flat.dim() == 1 && flat.numel() == total, "flat: holds ", flat.numel(), " elements, the set's parameters ", total);
     int64_t offset = 0;
     for (int64_t k : ks) {

@@ -150,12 +150,17 @@ def queue_backward_callback(fn) -> bool:
     False where it cannot be queued: also while compiled autograd traces the backward (torch 2.6
     asserts there; only DDP's C++ reducer leaves parameters to maskedbranch, and torch refuses it
     under compiled autograd with its own error)."""
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    queue = getattr(engine, "queue_callback", None)
-    if queue is None or _force_fallback["callback"] or compiled_autograd_tracing():
+    queue = _engine_queue_callback()
+    if queue is None or compiled_autograd_tracing():
         return False
     queue(fn)
     return True
+
+
+def _engine_queue_callback():
+    """The autograd engine's ``queue_callback`` (None where it is missing or forced off)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    return None if _force_fallback["callback"] else getattr(engine, "queue_callback", None)
 
 
 def ddp_ignored_names(module) -> Optional[set]:
@@ -166,8 +171,7 @@ def ddp_ignored_names(module) -> Optional[set]:
 
 
 def can_queue_backward_callback() -> bool:
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    return hasattr(engine, "queue_callback") and not _force_fallback["callback"]
+    return _engine_queue_callback() is not None
 
 
 def ddp_comm_hooks(module) -> list:

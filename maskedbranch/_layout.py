@@ -52,7 +52,8 @@ def as_bytes(bits: int, nbytes: int) -> Tensor:
 
 
 def from_bytes(t: Tensor) -> int:
-    return int.from_bytes(t.numpy().tobytes(), "little")
+    # (not t.numpy(): torch runs without NumPy installed, and so must the reducer)
+    return int.from_bytes(bytes(t.tolist()), "little")
 
 
 class Layout:

@@ -13,6 +13,10 @@ routing modules give every branch parameter its gradient at one node, in branch 
 (maskedbranch/_route.py), and refuse ``materialize_grads=False`` there.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -248,3 +252,42 @@ def test_refusals(ranks):
         assert any(m in res["cpp_reducer"] for m in torch_says), res["cpp_reducer"]
         assert "materialize_grads=False with DDP's Python reducer" in res["undefined"], res["undefined"]
         assert "under DDP's Python reducer (compiled autograd) a branch with parameters must be an nn.Module" in res["function"], res["function"]
+
+
+NO_NUMPY = """
+import sys
+sys.modules["numpy"] = None  # torch runs without NumPy installed
+import tempfile
+import torch
+import torch.distributed as dist
+from torch import nn
+import maskedbranch as mb
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.choices = nn.Linear(3, 3), mb.MaskedBranch([nn.Linear(3, 3) for _ in range(3)])
+
+    def forward(self, x, k):
+        return self.choices(self.trunk(x), k)
+
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+model = nn.parallel.DistributedDataParallel(Net())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    opt.zero_grad()
+    model(torch.randn(4, 3), step % 2).sum().backward()
+    opt.step()
+grads = [p.grad is not None for p in model.module.choices.parameters()]
+dist.destroy_process_group()
+print(grads)
+"""
+
+
+def test_trains_without_numpy():
+    """The data-parallel layer needs nothing torch does not: a DDP job in an interpreter where
+    NumPy cannot be imported trains, leaving the last step's dead branches None."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    run = subprocess.run([sys.executable, "-c", NO_NUMPY], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[True, True, False, False, False, False]", run.stdout

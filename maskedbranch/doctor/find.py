@@ -106,7 +106,8 @@ def find_divergent_parameters(
         for m, mode in modes:
             m.training = mode
     owned, kept = _reducer.ownable(model)  # what a DDP built around it leaves to maskedbranch, and
-    owned.add(kept)  # the one it keeps then, tied into every forward (in the graph on every rank)
+    if kept is not None:
+        owned.add(kept)  # the one it keeps then, tied into every forward (in the graph on every rank)
     uses = [R.ParameterUse(names[0], tuple(p.shape), tuple(s[i] for s in states), tuple(names[1:]), owned=id(p) in owned)
             for i, (names, p) in enumerate(trainable)]
     ran = [r for r in range(len(inputs_per_rank)) if r not in {f.rank for f in failures}]
