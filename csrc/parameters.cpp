@@ -20,9 +20,12 @@
 // collects the edges in C++, as fast as a C++ Function measured.) Public C++ API only:
 // Tensor::grad(), Tensor::mutable_grad(), c10::weak_intrusive_ptr, torch::class_.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <torch/custom_class.h>
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -49,6 +52,31 @@ void for_each_position(const at::Tensor& bits, int64_t size, const Fn& fn) {
 }
 
 using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+// A contiguous dense CPU tensor: gather and scatter copy it with plain loops, since an ATen op per
+// parameter costs microseconds of dispatch, more than copying a small parameter's gradient.
+bool plain(const at::Tensor& t) {
+  return t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && !t.is_conj() && !t.is_neg();
+}
+
+// flat[offset:offset + n] = grad * scale (zeros for an undefined grad), computed as ATen's CPU
+// multiplication by a scalar computes it (in the dtype's opmath type, the scalar cast to it), so
+// the bits equal at::mul_out's, which DDP fills its buckets with. False for a dtype it leaves to ATen.
+bool scaled_copy(at::Tensor& flat, int64_t offset, int64_t n, const at::Tensor& grad, double scale) {
+  if (!at::isFloatingType(flat.scalar_type())) return false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "gather", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    scalar_t* out = flat.mutable_data_ptr<scalar_t>() + offset;
+    if (!grad.defined()) {
+      std::fill(out, out + n, scalar_t(0));
+      return;
+    }
+    const scalar_t* in = grad.const_data_ptr<scalar_t>();
+    const auto s = static_cast<opmath_t>(scale);
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<scalar_t>(static_cast<opmath_t>(in[i]) * s);
+  });
+  return true;
+}
 
 struct Parameters : torch::CustomClassHolder {
   std::vector<at::Tensor> params;  // by position; undefined: a position this table does not hold
@@ -128,14 +156,17 @@ struct Parameters : torch::CustomClassHolder {
       TORCH_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
                   "bits: position ", k, " is a ", p.scalar_type(), " parameter on ", p.device(), ", position ", ks[0],
                   " a ", first.scalar_type(), " one on ", first.device(), ": gather one dtype and device at a time");
-      at::Tensor slice = flat.narrow(0, offset, p.numel()).view(p.sizes());
       const at::Tensor& grad = p.grad();
-      if (grad.defined()) {
-        TORCH_CHECK(grad.layout() == at::kStrided, "the gradient at position ", k, " is ", grad.layout(),
-                    ": only dense gradients are gathered");
-        at::mul_out(slice, grad, factor);
-      } else {
-        slice.zero_();
+      TORCH_CHECK(!grad.defined() || grad.layout() == at::kStrided, "the gradient at position ", k, " is ",
+                  grad.layout(), ": only dense gradients are gathered");
+      if (!(plain(flat) && (!grad.defined() || (plain(grad) && grad.scalar_type() == flat.scalar_type())) &&
+            scaled_copy(flat, offset, p.numel(), grad, scale))) {
+        at::Tensor slice = flat.narrow(0, offset, p.numel()).view(p.sizes());
+        if (grad.defined()) {
+          at::mul_out(slice, grad, factor);
+        } else {
+          slice.zero_();
+        }
       }
       offset += p.numel();
     }
@@ -151,12 +182,16 @@ struct Parameters : torch::CustomClassHolder {
     int64_t offset = 0;
     for (int64_t k : ks) {
       at::Tensor& p = params[static_cast<size_t>(k)];
-      const at::Tensor slice = flat.narrow(0, offset, p.numel()).view(p.sizes());
       at::Tensor& grad = p.mutable_grad();
-      if (grad.defined()) {
-        grad.copy_(slice);
+      if (!grad.defined()) {
+        grad = at::empty_like(p, at::MemoryFormat::Preserve);
+      }
+      if (plain(flat) && plain(grad) && grad.scalar_type() == flat.scalar_type()) {
+        const auto size = static_cast<int64_t>(flat.element_size());
+        std::memcpy(grad.data_ptr(), static_cast<const char*>(flat.const_data_ptr()) + offset * size,
+                    static_cast<size_t>(p.numel() * size));
       } else {
-        grad = at::empty_like(p, at::MemoryFormat::Preserve).copy_(slice);
+        grad.copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
       }
       offset += p.numel();
     }

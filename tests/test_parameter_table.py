@@ -113,23 +113,32 @@ def test_changed_names_the_gradients_made_since_noted():
     assert from_bytes(table.changed(all_bits)) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [1, 9, 70])
-def test_gather_and_scatter_match_python(n):
+def test_gather_and_scatter_match_python(n, dtype):
     """gather: the set's gradients times the scale, one after another (zeros where a parameter
-    has none), with DDP's bucket fill (grad * (1 / world)); scatter: each slice back, copied into
-    the gradient tensor that is there (the same object) or as a new one with the parameter's
-    strides."""
+    has none), with the bits of DDP's bucket fill (grad * (1 / world), ATen's multiplication by a
+    scalar), whether a gradient is copied by the table's own loop (contiguous) or by ATen (a
+    channels-last or transposed one); scatter: each slice back, copied into the gradient tensor
+    that is there (the same object) or as a new one with the parameter's strides."""
     rng = random.Random(n)
-    for scale in (0.5, 1.0 / 3):
-        ps = params(n, seed=n)
+    for scale in (0.5, 1.0 / 3, 1.0 / 7):
+        g = torch.Generator().manual_seed(n)
+        ps = [torch.nn.Parameter((torch.randn(3, generator=g) * 10).to(dtype)) for _ in range(n)]
+        for k, p in enumerate(ps):
+            if k % 3 != 1:
+                p.grad = (torch.randn(3, generator=g) * 10).to(dtype)
         if n > 2:  # a channels-last parameter keeps its strides in a new gradient
-            ps[1] = torch.nn.Parameter(torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last))
+            ps[1] = torch.nn.Parameter(torch.randn(2, 3, 2, 2).to(dtype).to(memory_format=torch.channels_last))
+        if n > 3:  # a transposed gradient of a contiguous parameter
+            ps[2] = torch.nn.Parameter(torch.randn(3, 2).to(dtype))
+            ps[2].grad = torch.randn(2, 3).to(dtype).t()
         table = _ops.parameter_table(ps)
-        bits = rng.getrandbits(n) | 1
+        bits = rng.getrandbits(n) | 1 | (0b110 if n > 3 else 0)
         chosen = [p for k, p in enumerate(ps) if bits >> k & 1]
         want = torch.cat([(p.grad * scale if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in chosen])
         flat = table.gather(as_bytes(bits, (n + 7) // 8), scale)
-        assert torch.equal(flat, want)
+        assert flat.dtype == dtype and torch.equal(flat, want)
         held = [p.grad for p in chosen]
         table.scatter(as_bytes(bits, (n + 7) // 8), flat * 2)
         offset = 0
