@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 
 # What the page runs (python -m benchmarks --page): every suite a headline row reads, and the
 # kernels for their plot; the compile suite without its slowest cases.
-SUITES = ["ddp", "nas", "demo", "hf", "droppath", "masked", "timm", "compile", "kernels"]
+SUITES = ["ddp", "overhead", "nas", "demo", "hf", "droppath", "masked", "timm", "compile", "kernels"]
 COMPILE_CASES = ["timm", "moe", "depth", "hetero-supernet"]  # the timm case's compile times are cold ones
 COMPILE_RATES = (0.4,)
 SPREAD = 0.05  # run-to-run spread of a ratio on the 2-core machine the suites were built on
@@ -92,6 +92,9 @@ def _ddp(choice, short, suite, title, why_fup, key):
 
 HEADLINE: List[Row] = [
     *_ddp("`MaskedBranch`: routed MLP, 24 layers x 4 branches", "MLP", "ddp", "DDP step", W_TIE, True),
+    Row(DDP, "`MaskedBranch`: routed MLP, 32 layers x 4 branches, AdamW, a step per iteration", FUP,
+        "MLP 32 AdamW vs if/else + fup", "overhead", "A routed call in a training loop", (("where", "DDP, 2 ranks"),),
+        "step ratio", W_TIE),
     *_ddp("`MaskedBranch`: NAS supernet (SPOS, 12 layers x 4 ShuffleNetV2 choices)", "SPOS supernet", "nas",
           "NAS supernet DDP step", W_TIE_CONV, True),
     *_ddp("`MaskedBranch`: the demo's experts (examples/demo.py, a gate per row)", "demo", "demo",

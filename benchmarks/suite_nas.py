@@ -10,7 +10,7 @@ CPU, SGD with momentum and weight decay. Contenders, interleaved step by step:
   False) (every parameter used; every choice's BatchNorm statistics train too).
 
 masked and if/else train identically (checked: parameters and BatchNorm buffers bitwise equal after the timed
-steps); the table gives the step ratio (budget, issue 13: masked <= 1.00x if/else).
+steps); the table gives the step ratio (budget, issue 41: masked <= 0.92x if/else).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ REF = "if/else (fup=True)"
 DENSE = "dense 0/1"
 NAMES = ["masked", REF, "masked, bucket view", REF + ", bucket view", DENSE]
 SAME = [["masked", REF], ["masked, bucket view", REF + ", bucket view"]]
-BUDGET = 1.00
+BUDGET = 0.92  # issue 41
 
 SIZES = {  # widths of the 3 stages, stem width, image side, batch per rank
     "smoke": ((16, 32, 64), 8, 16, 4),
@@ -81,7 +81,7 @@ def run(cfg) -> list:
         "medians in ms, rank 0)",
         columns(False, vs=[DENSE]),
         rows,
-        f"Budget (issue 13): masked / if/else (fup=True) <= {BUDGET:.2f}, training identical (checked: parameters and "
+        f"Budget (issue 41): masked / if/else (fup=True) <= {BUDGET:.2f}, training identical (checked: parameters and "
         "BatchNorm buffers bitwise equal after the timed steps). *Median of per-step ratios against the contender in "
         "'against', over all launches, then per launch; 'step / dense 0/1' against dense 0/1.",
     )]
