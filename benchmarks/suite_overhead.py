@@ -192,7 +192,9 @@ def run(cfg) -> list:
     if cfg.device == "cpu":
         for t, _clock in settings(cfg):
             for ddp, world in ((False, 1), (True, 1), (True, 2)):
-                job = dict(ddp=ddp, threads=t, warmup=loop_sizes[0], iterations=loop_sizes[1], device=cfg.device)
+                # (the ranks share the machine's threads, one each at --threads 2, as the DDP suites run)
+                job = dict(ddp=ddp, threads=max(1, t // world) if t else t, warmup=loop_sizes[0],
+                           iterations=loop_sizes[1], device=cfg.device)
                 res = spawn_ranks(_loop_job, world, job) if ddp else _loop_job(0, 1, job)
                 check(cfg, f"overhead: training loop ({res['row'][0]}): parameters equal to if/else's", res["same"])
                 budget = LOOP_BUDGET_US["DDP" if ddp else "one process"]
