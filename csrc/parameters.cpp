@@ -186,7 +186,9 @@ struct Parameters : torch::CustomClassHolder {
       if (!grad.defined()) {
         grad = at::empty_like(p, at::MemoryFormat::Preserve);
       }
-      if (plain(flat) && plain(grad) && grad.scalar_type() == flat.scalar_type()) {
+      if (p.numel() == 0) {
+        // (nothing to copy; memcpy is not given the null pointers of empty tensors)
+      } else if (plain(flat) && plain(grad) && grad.scalar_type() == flat.scalar_type()) {
         const auto size = static_cast<int64_t>(flat.element_size());
         std::memcpy(grad.data_ptr(), static_cast<const char*>(flat.const_data_ptr()) + offset * size,
                     static_cast<size_t>(p.numel() * size));

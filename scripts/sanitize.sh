@@ -10,6 +10,7 @@
 # Default tests: tests/test_ops.py (the op tests), tests/test_bad_inputs.py (every error path of
 # the kernels' argument checks), tests/test_masked_branch.py (the module's direct C++ entry
 # points: anchors into history, shared dead-parameter nodes, signature capsules),
+# tests/test_parameter_table.py (the data-parallel layer's loops over parameters, raw copies included),
 # tests/test_fuzz.py at half its examples (odd shapes, layouts and gate patterns through the
 # kernels; MASKEDBRANCH_FUZZ_SCALE overrides the 0.5), and tests/cuda_emu: csrc/cuda's kernels
 # compiled for the host against tests/cuda_emu/cuda_emulation.h and compared with the CPU kernels
@@ -42,7 +43,7 @@ fi
 BUILD=${SANITIZE_BUILD_DIR:-$ROOT/build/sanitize}
 CXX=${CXX:-c++}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-if [[ $# -gt 0 ]]; then TESTS=("$@"); else TESTS=(tests/test_ops.py tests/test_ops_checks.py tests/test_bad_inputs.py tests/test_masked_branch.py tests/test_fuzz.py tests/cuda_emu); fi
+if [[ $# -gt 0 ]]; then TESTS=("$@"); else TESTS=(tests/test_ops.py tests/test_ops_checks.py tests/test_bad_inputs.py tests/test_masked_branch.py tests/test_parameter_table.py tests/test_fuzz.py tests/cuda_emu); fi
 export MASKEDBRANCH_FUZZ_SCALE=${MASKEDBRANCH_FUZZ_SCALE:-0.5}
 
 note() { printf -- '-- %s\n' "$*"; }
