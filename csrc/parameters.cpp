@@ -53,8 +53,11 @@ void for_each_position(const at::Tensor& bits, int64_t size, const Fn& fn) {
 
 using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
-// A contiguous dense CPU tensor: gather and scatter copy it with plain loops, since an ATen op per
-// parameter costs microseconds of dispatch, more than copying a small parameter's gradient.
+// A contiguous dense CPU tensor: gather and scatter copy a small parameter's gradient there with
+// plain loops, since an ATen op per parameter costs microseconds of dispatch, more than the copy.
+// From ATen's grain size on, ATen's copies (vectorized, on several threads) are left to do it.
+constexpr int64_t kLoopMax = 32768;
+
 bool plain(const at::Tensor& t) {
   return t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && !t.is_conj() && !t.is_neg();
 }
@@ -159,7 +162,8 @@ struct Parameters : torch::CustomClassHolder {
       const at::Tensor& grad = p.grad();
       TORCH_CHECK(!grad.defined() || grad.layout() == at::kStrided, "the gradient at position ", k, " is ",
                   grad.layout(), ": only dense gradients are gathered");
-      if (!(plain(flat) && (!grad.defined() || (plain(grad) && grad.scalar_type() == flat.scalar_type())) &&
+      if (!(p.numel() < kLoopMax && plain(flat) &&
+            (!grad.defined() || (plain(grad) && grad.scalar_type() == flat.scalar_type())) &&
             scaled_copy(flat, offset, p.numel(), grad, scale))) {
         at::Tensor slice = flat.narrow(0, offset, p.numel()).view(p.sizes());
         if (grad.defined()) {
@@ -188,7 +192,7 @@ struct Parameters : torch::CustomClassHolder {
       }
       if (p.numel() == 0) {
         // (nothing to copy; memcpy is not given the null pointers of empty tensors)
-      } else if (plain(flat) && plain(grad) && grad.scalar_type() == flat.scalar_type()) {
+      } else if (p.numel() < kLoopMax && plain(flat) && plain(grad) && grad.scalar_type() == flat.scalar_type()) {
         const auto size = static_cast<int64_t>(flat.element_size());
         std::memcpy(grad.data_ptr(), static_cast<const char*>(flat.const_data_ptr()) + offset * size,
                     static_cast<size_t>(p.numel() * size));

@@ -130,12 +130,15 @@ def test_gather_and_scatter_match_python(n, dtype):
                 p.grad = (torch.randn(3, generator=g) * 10).to(dtype)
         if n > 2:  # a channels-last parameter keeps its strides in a new gradient
             ps[1] = torch.nn.Parameter(torch.randn(2, 3, 2, 2).to(dtype).to(memory_format=torch.channels_last))
-        if n > 3:  # a transposed gradient of a contiguous parameter, and an empty parameter
+        if n > 3:  # a transposed gradient of a contiguous parameter, and an empty one
             ps[2] = torch.nn.Parameter(torch.randn(3, 2).to(dtype))
             ps[2].grad = torch.randn(2, 3).to(dtype).t()
             ps[3] = torch.nn.Parameter(torch.zeros(0, 4, dtype=dtype))
+        if n > 4:  # a large parameter: its copies are ATen's
+            ps[4] = torch.nn.Parameter(torch.randn(200, 200).to(dtype))
+            ps[4].grad = torch.randn(200, 200).to(dtype)
         table = _ops.parameter_table(ps)
-        bits = rng.getrandbits(n) | 1 | (0b1110 if n > 3 else 0)
+        bits = rng.getrandbits(n) | 1 | (0b11110 if n > 4 else 0)
         chosen = [p for k, p in enumerate(ps) if bits >> k & 1]
         want = torch.cat([(p.grad * scale if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in chosen])
         flat = table.gather(as_bytes(bits, (n + 7) // 8), scale)
