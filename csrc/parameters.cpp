@@ -53,20 +53,25 @@ void for_each_position(const at::Tensor& bits, int64_t size, const Fn& fn) {
 
 using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
-// A contiguous dense CPU tensor: gather and scatter copy a small parameter's gradient there with
-// plain loops, since an ATen op per parameter costs microseconds of dispatch, more than the copy.
-// From ATen's grain size on, ATen's copies (vectorized, on several threads) are left to do it.
-constexpr int64_t kLoopMax = 32768;
-
 bool plain(const at::Tensor& t) {
   return t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && !t.is_conj() && !t.is_neg();
 }
 
+// Whether gather and scatter copy a parameter's `n` elements between `flat` and `grad` (undefined:
+// none yet) with their own loops: a small parameter of a floating dtype, contiguous CPU tensors of
+// one dtype. An ATen op per parameter costs microseconds of dispatch, more than such a copy; from
+// ATen's grain size on, ATen's copies (vectorized, on several threads) are left to do it, and so
+// are empty tensors (memcpy must not be given their null data pointers).
+bool copied_by_loop(const at::Tensor& flat, const at::Tensor& grad, int64_t n) {
+  constexpr int64_t kLoopMax = 32768;
+  return 0 < n && n < kLoopMax && at::isFloatingType(flat.scalar_type()) && plain(flat) &&
+         (!grad.defined() || (plain(grad) && grad.scalar_type() == flat.scalar_type()));
+}
+
 // flat[offset:offset + n] = grad * scale (zeros for an undefined grad), computed as ATen's CPU
 // multiplication by a scalar computes it (in the dtype's opmath type, the scalar cast to it), so
-// the bits equal at::mul_out's, which DDP fills its buckets with. False for a dtype it leaves to ATen.
-bool scaled_copy(at::Tensor& flat, int64_t offset, int64_t n, const at::Tensor& grad, double scale) {
-  if (!at::isFloatingType(flat.scalar_type())) return false;
+// the bits equal at::mul_out's, which DDP fills its buckets with.
+void scaled_copy(at::Tensor& flat, int64_t offset, int64_t n, const at::Tensor& grad, double scale) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "gather", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     scalar_t* out = flat.mutable_data_ptr<scalar_t>() + offset;
@@ -78,7 +83,6 @@ bool scaled_copy(at::Tensor& flat, int64_t offset, int64_t n, const at::Tensor& 
     const auto s = static_cast<opmath_t>(scale);
     for (int64_t i = 0; i < n; ++i) out[i] = static_cast<scalar_t>(static_cast<opmath_t>(in[i]) * s);
   });
-  return true;
 }
 
 struct Parameters : torch::CustomClassHolder {
@@ -162,9 +166,9 @@ struct Parameters : torch::CustomClassHolder {
       const at::Tensor& grad = p.grad();
       TORCH_CHECK(!grad.defined() || grad.layout() == at::kStrided, "the gradient at position ", k, " is ",
                   grad.layout(), ": only dense gradients are gathered");
-      if (!(p.numel() < kLoopMax && plain(flat) &&
-            (!grad.defined() || (plain(grad) && grad.scalar_type() == flat.scalar_type())) &&
-            scaled_copy(flat, offset, p.numel(), grad, scale))) {
+      if (copied_by_loop(flat, grad, p.numel())) {
+        scaled_copy(flat, offset, p.numel(), grad, scale);
+      } else {
         at::Tensor slice = flat.narrow(0, offset, p.numel()).view(p.sizes());
         if (grad.defined()) {
           at::mul_out(slice, grad, factor);
@@ -190,9 +194,7 @@ struct Parameters : torch::CustomClassHolder {
       if (!grad.defined()) {
         grad = at::empty_like(p, at::MemoryFormat::Preserve);
       }
-      if (p.numel() == 0) {
-        // (nothing to copy; memcpy is not given the null pointers of empty tensors)
-      } else if (p.numel() < kLoopMax && plain(flat) && plain(grad) && grad.scalar_type() == flat.scalar_type()) {
+      if (copied_by_loop(flat, grad, p.numel())) {
         const auto size = static_cast<int64_t>(flat.element_size());
         std::memcpy(grad.data_ptr(), static_cast<const char*>(flat.const_data_ptr()) + offset * size,
                     static_cast<size_t>(p.numel() * size));
