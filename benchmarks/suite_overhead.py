@@ -220,9 +220,10 @@ def run(cfg) -> list:
              "fwd and ratio within budget"],
             loop_rows,
             "*Median over iterations of (MaskedBranch - reference) / routed calls per forward, per phase: the forward "
-            "(under DDP with the wrapper's hooks: the records turned into bit sets, the usage launch, the tie), the "
-            "backward (DDP's hook, zero fill and gradient of each tied parameter), the optimizer step with zero_grad "
-            "(the reset before it), and the whole step (the phases' medians need not add up to it). Budgets (issue 29): "
+            "(under DDP with the wrapper's hooks: the records turned into bit sets, the usage launch, the tie of the "
+            "one parameter DDP keeps), the backward (under DDP: the averaging of the routed parameters at its end, "
+            "against DDP's buckets and graph walk), the optimizer step with zero_grad (the reset before it), and the "
+            "whole step (the phases' medians need not add up to it). Budgets (issue 29): "
             f"{LOOP_BUDGET_US['one process']:.0f} us per call in one process, {LOOP_BUDGET_US['DDP']:.0f} us under "
             "DDP, for the whole step ('step within budget'). Budgets (issue 41), DDP with 2 ranks: step ratio "
             f"<= {LOOP_BUDGET_RATIO}, forward <= {LOOP_BUDGET_FWD_US:.0f} us per call ('fwd and ratio within budget'). "
