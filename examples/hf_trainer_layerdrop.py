@@ -66,17 +66,19 @@ class Record(TrainerCallback):
 
 
 def train(patched, workdir):
-    model = tiny_model()
-    if patched:
-        report = mb_hf.patch(model)  # after building / loading, before the Trainer wraps it
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(report)
+    # The arguments first: they start the distributed job, so that the DDP built around the model
+    # made next is seen being built and leaves the dropped layers to maskedbranch.
     args = TrainingArguments(
         output_dir=workdir, max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-2, weight_decay=0.1,
         ddp_find_unused_parameters=not patched,  # the one setting: False once the model is patched
         ddp_backend=None if torch.cuda.is_available() else "gloo", use_cpu=not torch.cuda.is_available(),
         report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
     )
+    model = tiny_model()
+    if patched:
+        report = mb_hf.patch(model)  # after building / loading, before the Trainer wraps it
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(report)
     record = Record()
     Trainer(model=model, args=args, train_dataset=Waves(), callbacks=[record]).train()
     params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}

@@ -31,13 +31,20 @@ EXPERTS = 3
 class Routed(L.LightningModule):
     def __init__(self, masked):
         super().__init__()
-        torch.manual_seed(0)  # the same initial weights on every rank
         self.masked = masked
+        self.grads = []
+
+    def configure_model(self):
+        # Made here, where Lightning has started the distributed job and not yet built DDP: the
+        # DDP built around it is seen being built and leaves the experts to maskedbranch (made in
+        # __init__, before the job, DDP would keep them, at a cost per idle expert and step).
+        if hasattr(self, "head"):
+            return
+        torch.manual_seed(0)  # the same initial weights on every rank
         self.pre = nn.Linear(8, 16)
         experts = [nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(EXPERTS)]
-        self.experts = MaskedBranch(experts) if masked else nn.ModuleList(experts)
+        self.experts = MaskedBranch(experts) if self.masked else nn.ModuleList(experts)
         self.head = nn.Linear(16, 4)
-        self.grads = []
 
     def forward(self, x, gate):
         h = torch.tanh(self.pre(x))

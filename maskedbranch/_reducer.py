@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import _autograd, _compat, _decide, _unit
+from . import _autograd, _compat, _decide, _unit, _warn
 from ._layout import Layout, as_bytes, cpu_group, from_bytes, mesh_group, positions, tensors
 from ._unit import Tying, RoutingUnit
 
@@ -83,7 +83,26 @@ def reducer_for(wrapper: nn.Module, explicit_kind: bool = False, process_group: 
         found.needs_first = found.tied_per_call = not before_forward and not torch.compiler.is_compiling()
         REDUCERS.version += 1
         _unit.DATA_PARALLEL.needed()  # its reset runs in the optimizer step pre-hook
+        if found.needs_first and isinstance(wrapper, nn.parallel.DistributedDataParallel):
+            _warn_unowned(wrapper)
     return found
+
+
+def _warn_unowned(ddp: nn.Module) -> None:
+    """A DDP module built around routing modules without the reducer seeing its construction
+    (no registration hook was installed yet) keeps in its buckets the parameters it could have
+    left to the reducer: the same training, at a cost per dead parameter and step. Said once."""
+    ignored = _compat.ddp_ignored_names(ddp)
+    if ignored is None or _compat.ddp_uses_python_reducer(ddp) or not ownable(ddp.module, ignored)[0]:
+        return
+    _warn.warn_once("unowned", (
+        "maskedbranch: a DistributedDataParallel module was built around routing modules made before "
+        "torch.distributed.init_process_group (or added after DDP was built), so DDP keeps their parameters in "
+        "its buckets. Training is the same, but every step ties the dead branches into the graph and reduces "
+        "their zero gradients, which maskedbranch avoids when it sees DDP being built. Make the model after "
+        "init_process_group: in PyTorch Lightning in LightningModule.configure_model, with the Hugging Face "
+        "Trainer after creating its TrainingArguments."
+    ))
 
 
 def reducer_of(wrapper: Any) -> Optional["Reducer"]:

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -130,7 +131,7 @@ class Net(nn.Module):
 def _worker(rank, world, init_file, out_dir):
     from datetime import timedelta
 
-    from maskedbranch import unused_grads
+    from maskedbranch import _warn, unused_grads
 
     torch.set_num_threads(1)
     torch.manual_seed(5)  # identical initial weights on every rank
@@ -142,20 +143,31 @@ def _worker(rank, world, init_file, out_dir):
                             timeout=timedelta(seconds=90))
     models = {"masked": DDP(masked), "ifelse": DDP(ifelse, find_unused_parameters=True)}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.01) for k, m in models.items()}
-    worst, mismatch, none_grads = 0.0, [], 0
+    worst, mismatch, none_grads, said = 0.0, [], 0, []
     for step in range(6):
         g = torch.Generator().manual_seed(step * 13 + rank)
         x = torch.randn(5, 4, generator=g, dtype=torch.float64)
         k = (rank + step) % 2 if step % 3 else -1  # branch 2 never runs; step 0 runs none on any rank
         for name, model in models.items():
             opts[name].zero_grad()
-            model(x, k).square().mean().backward()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model(x, k).square().mean().backward()
+            said += [str(w.message) for w in caught if "init_process_group" in str(w.message)]
             opts[name].step()
         w, nm = state_diff(training_state(masked), training_state(ifelse))
         worst, mismatch = max(worst, w), mismatch + [(step, n) for n in nm]
         none_grads += sum(p.grad is None for p in ifelse.parameters())
-    torch.save({"before_init": before_init, "worst": worst, "mismatch": mismatch, "none_grads": none_grads},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    # A model made in the job: its DDP's construction is seen, nothing is said.
+    _warn.given.discard("unowned")
+    torch.manual_seed(5)
+    after = DDP(Net(True).double())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        after(torch.ones(5, 4, dtype=torch.float64), rank % 2).sum().backward()
+    said_after = [str(w.message) for w in caught if "init_process_group" in str(w.message)]
+    torch.save({"before_init": before_init, "worst": worst, "mismatch": mismatch, "none_grads": none_grads,
+                "said": said, "said_after": said_after}, os.path.join(out_dir, f"rank{rank}.pt"))
     leave_job()
 
 
@@ -167,3 +179,6 @@ def test_a_model_built_before_init_process_group_trains_as_ifelse():
         assert res["worst"] < 1e-12, f"rank {r}: differs from if/else by {res['worst']}"
         assert not res["mismatch"], f"rank {r}: None gradients differ from if/else at {res['mismatch'][:5]}"
         assert res["none_grads"] > 0, "no parameter went unused on every rank: the case tests no reset"
+        # the cost of a DDP built before the job is said once, with the way out
+        assert len(res["said"]) == 1 and "configure_model" in res["said"][0], f"rank {r}: {res['said']}"
+        assert not res["said_after"], f"rank {r}: warned about a model made in the job: {res['said_after']}"
