@@ -92,8 +92,7 @@ def _warn_unowned(ddp: nn.Module) -> None:
     """A DDP module built around routing modules without the reducer seeing its construction
     (no registration hook was installed yet) keeps in its buckets the parameters it could have
     left to the reducer: the same training, at a cost per dead parameter and step. Said once."""
-    ignored = _compat.ddp_ignored_names(ddp)
-    if ignored is None or _compat.ddp_uses_python_reducer(ddp) or not ownable(ddp.module, ignored)[0]:
+    if not _ddp_ownable(ddp, ddp.module)[1]:
         return
     _warn.warn_once("unowned", (
         "maskedbranch: a DistributedDataParallel module was built around routing modules made before "
@@ -268,10 +267,7 @@ class Reducer:
         used only, and dead branches are never tied. DDP keeps at least one parameter (it
         crashes without), sparse embeddings and parameters frozen now; nothing is taken
         under DDP's Python reducer (compiled autograd), which handles dead branches itself."""
-        ignored = _compat.ddp_ignored_names(ddp)
-        if ignored is None or _compat.ddp_uses_python_reducer(ddp):
-            return
-        owned, kept = ownable(root, ignored)
+        ignored, owned, kept = _ddp_ownable(ddp, root)
         if not owned:
             return
         self.kept_name = next((n for n, p in root.named_parameters() if id(p) == kept), None)
@@ -604,6 +600,16 @@ def ownable(root: nn.Module, ignored: frozenset = frozenset()) -> Tuple[set, Opt
         owned_set.discard(owned[0])
         return owned_set, owned[0]
     return owned_set, None
+
+
+def _ddp_ownable(ddp: nn.Module, root: nn.Module) -> Tuple[set, set, Optional[int]]:
+    """What the DDP module ``ddp`` built around ``root`` can leave to the reducer: its ignored
+    names (the set DDP builds its buckets without) and :func:`ownable`'s answer for them; nothing
+    where that set cannot be reached or DDP runs on its Python reducer (compiled autograd)."""
+    ignored = _compat.ddp_ignored_names(ddp)
+    if ignored is None or _compat.ddp_uses_python_reducer(ddp):
+        return set(), set(), None
+    return (ignored, *ownable(root, ignored))
 
 
 def _broadcast(params: List[Tensor], group: Any) -> None:
