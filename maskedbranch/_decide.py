@@ -1,42 +1,6 @@
-"""The decision table: what the parameters of a routing unit's branches that did not run receive,
-decided once per (unit, data-parallel wrapper) and stored in the unit (maskedbranch/_unit.py).
-
-The *context* of a unit is the wrapper whose forward runs it:
-
-==================  =================  =======  ===========================================
-context             auto (default)     zeros    none
-==================  =================  =======  ===========================================
-LOCAL               SKIP               ZEROS    NONE
-DDP_FIND_UNUSED     SKIP               ZEROS    NONE
-DDP                 AT_WRAPPER         ZEROS    NONE
-DDP_STATIC          AT_WRAPPER_ZEROS   ZEROS    refused: unused forever after step 1
-PYTHON_REDUCER      ALIASES            ALIASES  refused: pairs defined gradients
-FSDP2               ZEROS              ZEROS    NONE (refused at the step)
-EXPLICIT            ZEROS              ZEROS    NONE
-==================  =================  =======  ===========================================
-
-* LOCAL: one process, or a model that no wrapper runs (a rank-local model in a distributed job):
-  nothing tied, as with if/else. DDP_FIND_UNUSED: DDP's graph walk finds the dead parameters
-  itself and leaves a gradient that no rank produced untouched, as for if/else.
-* DDP (the C++ reducer): the parameters DDP left to the reducer at its construction (every
-  routed one but the first in a model of routing modules only) are never tied (the layout leaves their units out of the
-  tie) and are averaged by the reducer; the reducer ties the dead parameters DDP kept once per
-  forward, with no gradient (DDP fills zeros into its buckets); DDP_STATIC learns from the first
-  step which parameters get a hook and needs a defined gradient for them, so the wrapper tie
-  gives zeros. DDP_FIND_UNUSED ties nothing; the parameters DDP left are averaged there too.
-* PYTHON_REDUCER (compiled autograd): every rank must accumulate the same parameters in the same
-  order, whatever its branches did (maskedbranch/_route.py, ``_aliases``).
-* FSDP2 reduces only defined gradients; EXPLICIT (a model given to ``unused_grads_to_none``, for
-  hand-written averaging) needs a tensor on every rank: zeros, tied by each call.
-* The doctor's simulated ranks (maskedbranch/doctor/simulate.py) decide with the DDP row.
-
-Under a wrapper (every context but LOCAL and DDP_FIND_UNUSED, and that one where DDP left
-parameters to the reducer) the "auto" units' usage is reduced after each forward of the wrapper
-and the gradients that no rank used are reset to ``None`` before the step
-(maskedbranch/_reducer.py), where if/else leaves ``None``.
-
-The context is found once per unit and wrapper, whose forward runs (``_unit.current_wrapper``).
-"""
+"""The decision table: a unit's tying (``_unit.Tying``) from its *context*, the wrapper whose forward
+runs it, and its ``materialize_grads``; decided once per (unit, wrapper). The table and why each
+row is what it is: docs/design.md, "The decision table" and "Dead parameters"."""
 from __future__ import annotations
 
 from typing import Any, Dict, Tuple
@@ -72,10 +36,8 @@ TABLE: Dict[str, Tuple[Any, Any, Any]] = {
     FSDP2: (Tying.ZEROS, Tying.ZEROS, Tying.NONE),
     EXPLICIT: (Tying.ZEROS, Tying.ZEROS, Tying.NONE),
 }
+# contexts whose reducer reduces the usage of "auto" units and resets what no rank used
 REDUCED = frozenset((DDP, DDP_STATIC, PYTHON_REDUCER, FSDP2, EXPLICIT))
-"""Contexts whose reducer reduces the usage of "auto" units and resets what no rank used."""
-
-
 
 
 def context_of(wrapper: nn.Module, explicit_kind: bool) -> str:

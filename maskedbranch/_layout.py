@@ -1,17 +1,8 @@
-"""What a reducer reduces (maskedbranch/_reducer.py) and over which process group: for the
-parameters of the data-parallel wrapper, in its ``named_parameters()`` order (the same on every
-rank), which ones this rank's forward used, as bit sets (Python ints, bit k: parameter k).
-
-Per parameter: *grouped* (a parameter of some routing unit's group: a branch, a layer; the only
-ones ever reset), *shared* (also used by the model outside every group: never reset), or neither
-(outside every group). Per forward: *used* (a group of it ran) and *conditional* (its unit ran
-only conditionally: an encoder whose output only a decoder that dropped every layer tied in,
-used only if its gradient turns out nonzero, which the step reads). The two sets of a forward
-travel as ``2 * ceil(n / 8)`` bytes, OR-reduced (``ReduceOp.BOR``) on a CPU group.
-
-The loops over parameters (which have no gradient, set gradients to ``None``) run in C++, on the
-layout's ``table`` (csrc/parameters.cpp), given a bit set as bytes.
-"""
+"""What a reducer (maskedbranch/_reducer.py) reduces and over which process group: bit sets over
+the wrapper's parameter *positions* (Python ints, bit k: parameter k), a forward's *used* and
+*conditional* sets travelling as ``2 * ceil(n / 8)`` bytes, OR-reduced on a CPU group. The loops
+over parameters run in C++ on the layout's ``table`` (csrc/parameters.cpp). Words:
+docs/design.md, "Words"."""
 from __future__ import annotations
 
 import functools
@@ -57,12 +48,10 @@ def from_bytes(t: Tensor) -> int:
 
 
 class Layout:
-    """The wrapper's parameters (``root`` None: those of the units, for units that no wrapper
-    runs): names and objects in ``named_parameters()`` order, each group's
-    positions (``groups``: (unit, group index, positions)), the grouped, shared and other
-    positions; per unit and set of groups that ran, the used / conditional bits (cached per
-    set); and per unit a table of its groups (maskedbranch/_structure.py), whose cache gives
-    the parameters to tie. A forward costs a few lookups per unit."""
+    """The wrapper's parameters in ``named_parameters()`` order (``root`` None: those of the units'
+    groups, for units that no wrapper runs), each group's positions, the grouped, shared, owned
+    and other positions; per unit and set of groups that ran, the used / conditional bits and
+    (in the unit's branch table, maskedbranch/_structure.py) the parameters to tie, cached."""
 
     def __init__(self, root: Optional[nn.Module], units: List[RoutingUnit], owned_names: frozenset = frozenset(),
                  kept_name: Optional[str] = None):
@@ -136,29 +125,19 @@ class Layout:
             self.nested[u] = [(v, self.unit_bits[v]) for v in self.units if v is not u and id(v.owner()) in inside]
 
     def current(self) -> bool:
-        """No unit changed since the layout was made (maskedbranch/_unit.py, ``forget``)."""
+        """No unit changed since the layout was made (``RoutingUnit.forget``)."""
         return all(u.version == v for u, v in zip(self.units, self.versions))
 
     def take(self, reducer: Any, tyings: tuple, keep_records: bool = False) -> Tuple[int, int, List[Tensor], int]:
-        """What the forward that just ran on this rank used: (used bits, conditional bits), the
-        parameters the wrapper ties into its outputs, and *held*: the positions of units whose
-        compiled graph held every branch or that were tied (their dead groups may get gradients,
-        zeros, without running). The units' records are cleared (unless ``keep_records``: the
-        doctor reads them afterwards).
+        """What the forward that just ran on this rank used: (used bits, conditional bits, the
+        parameters to tie into the wrapper's outputs, *held*: positions of units whose compiled
+        graph held every branch or that were tied, whose dead groups may get zero gradients).
+        Clears the units' records unless ``keep_records`` (the doctor reads them afterwards).
 
-        The parameters to tie: per unit called in the forward and decided for ``reducer`` in one
-        of ``tyings``, those of its groups that did not run (less any that a group that ran
-        shares; none where a compiled call's graph held every branch, ``zeros``: an inlined int
-        choice holds only the chosen one). A unit the forward never called is not tied, as a
-        module never called is not: its branches may have been called directly
-        (``layer[k](x)``), which its record cannot see. A parameter in two units' dead groups
-        (nested routing modules) is listed twice and still gets one hook call per backward. The
-        bits are cached here and the parameters in the unit's table, per set of groups that ran.
-
-        The tie is made afresh in every forward (one node, an edge per parameter) rather than
-        once per set and reused: a node made steps ago runs last in the backward, where its
-        hooks would make DDP launch its buckets at a rank-dependent point, out of step with a
-        second DDP model's buckets on the same process group (a GAN's generator step)."""
+        Tied: per unit called in the forward and decided for ``reducer`` in one of ``tyings``, the
+        parameters of its groups that did not run, less those a group that ran shares; none where
+        a compiled graph held every branch. A unit never called is not tied, as a module never
+        called is not: its branches may have been called directly (``layer[k](x)``)."""
         records = {}
         for u in self.units:
             inlined = u.inlined  # (taking clears it)
@@ -190,6 +169,7 @@ class Layout:
             if u.reducer is reducer and u.tying in tyings and (inlined or not u.zeros) and u not in self.untied:
                 # (a frozen parameter among them gets no edge: the tie's node skips it; an owned
                 # one gets zeros under static_graph, so its positions count as held)
+                # (a parameter in two nested units' dead groups is listed twice: still one hook call)
                 dead.extend(self._tables[u].tied(bits | c))  # type: ignore[arg-type]
                 held |= self.unit_bits[u]
         return used & self.resettable, cond & self.resettable & ~used, dead, held
@@ -226,11 +206,10 @@ cpu_groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def cpu_group(group: Any) -> Any:
-    """A gloo group of its own over ``group``'s ranks for the usage bits, made once per group
-    (only its ranks take part: ``use_local_synchronization``), so that they never wait on a
-    device and never queue behind the wrapper's own collectives: on the wrapper's own gloo group
-    the asynchronous launch would wait for them at every forward. None for a group of one rank:
-    its bits are the answer, and a launch would cost a wake-up of gloo's thread (50-120 us)."""
+    """A gloo group of its own over ``group``'s ranks for the usage bits (made once, by those ranks
+    only), which never waits on a device nor queues behind the wrapper's collectives (on the
+    wrapper's own gloo group the launch would wait for them). None for a group of one rank: its
+    bits are the answer, and a launch would cost a wake-up of gloo's thread (50-120 us)."""
     group = dist.group.WORLD if group is None else group
     found = cpu_groups.get(group, False)
     if found is False:

@@ -1,42 +1,8 @@
-"""The data-parallel layer: one reducer per wrapper (a DDP module, an FSDP2 root, a model given
-to ``unused_grads_to_none``), which does for routed parameters what DDP's Reducer does with
-``find_unused_parameters=True``: it decides for the routing units its wrapper runs
-(maskedbranch/_decide.py), averages the routed parameters a DDP module left out of its buckets
-(*owned*), ties the dead parameters DDP kept once per forward, reduces which parameters no rank
-used, and resets their gradients to ``None`` before the step.
-
-It imports the routing (maskedbranch/_unit.py) and plugs :func:`decide` into it; the routing never
-imports it. A reducer acts only through hooks on its own wrapper, in phases (docs/design.md sets
-them beside DDP's):
-
-0. **At a DDP module's construction** (:meth:`Reducer.own`): the parameters that only routing
-   groups hold leave DDP's buckets (DDP keeps at least one parameter) and are broadcast from
-   rank 0.
-1. **Before each forward** (a forward pre-hook): the wrapper pushes itself on
-   ``_unit.DATA_PARALLEL.running`` (so a routed call compares one object with its unit's
-   decision) and clears its units' records (calls made since, outside its forward, such as a
-   checkpoint's recomputation, do not count). At the first forward it decides for every unit
-   inside.
-2. **After each forward** (a forward hook: every rank runs the wrapper's forward, whatever its
-   branches did), the groups that ran on this rank become bit sets over the wrapper's parameters
-   (maskedbranch/_layout.py), one OR all-reduce of them starts on a CPU process group
-   (``async_op=True``: nothing waits, no device synchronization under NCCL), and the parameters
-   that DDP kept of the groups that did not run are tied into the outputs by one autograd node.
-3. **When that forward's backward starts** (a hook on the outputs), a gradient that is ``None``
-   was cleared since the previous backward (``zero_grad()``): what earlier forwards used no longer
-   counts for it, as for if/else. Read only after a backward that synchronized gradients (inside
-   ``no_sync`` the ranks' local gradients differ). A synchronizing backward queues the averaging
-   of the owned parameters for its end (:meth:`Reducer._average_owned`).
-4. **Before an optimizer step** (maskedbranch/unused_grads.py), that optimizer's parameters read
-   the reduced bytes: a parameter that no rank used since its gradient was cleared gets ``None``
-   back. No collective runs in the step.
-
-A DDP module gets its reducer when it is built around a model with routing units (a module
-registration hook, maskedbranch/unused_grads.py, sees ``DDP.module`` being set), so its hooks run
-from its first forward. Other wrappers get theirs when a unit first runs under them; a DDP given
-its reducer during its forward (the hook was not there) ties per call in that forward and
-reduces it from its backward.
-"""
+"""The data-parallel layer: one :class:`Reducer` per wrapper (a DDP module, an FSDP2 root, a model
+given to ``unused_grads_to_none``), which does for routed parameters what DDP's Reducer does with
+``find_unused_parameters=True``. It acts only through hooks on its own wrapper, in the phases that
+docs/design.md, "The data-parallel layer beside DDP's Reducer", sets beside DDP's, and plugs
+:func:`decide` into the routing (maskedbranch/_unit.py), which never imports it."""
 from __future__ import annotations
 
 import functools
@@ -55,11 +21,9 @@ from ._unit import Tying, RoutingUnit
 _MAX_PENDING = 8  # forwards whose reduction stays unmerged before a backward or step merges them
 
 
-
 class _Reducers:
-    """Every wrapper's reducer (weakly keyed: a reducer goes with its wrapper), the reducer of
-    the units no wrapper runs (``local``), and a version bumped when a reducer or a layout
-    changes (the step hook's per-optimizer lists are read again)."""
+    """Every wrapper's reducer (weakly: it goes with its wrapper), the units-without-wrapper
+    reducer (``local``), and a version bumped when a reducer or a layout changes."""
 
     def __init__(self) -> None:
         self.by_wrapper: "weakref.WeakKeyDictionary[nn.Module, Reducer]" = weakref.WeakKeyDictionary()
@@ -259,14 +223,9 @@ class Reducer:
         return Layout(root, units, self.owned_names, self.kept_name)
 
     def own(self, ddp: nn.Module, root: nn.Module) -> None:
-        """At the construction of the DDP module ``ddp`` (its module just set, its buckets not
-        built yet): take the parameters that only the groups of "auto" units hold out of DDP's
-        reducer (``parameters_to_ignore``, by the names DDP builds its buckets with) and
-        broadcast them from rank 0, as DDP does its own. From then on they are averaged at the
-        end of each backward that synchronizes (:meth:`_average_owned`), those that some rank
-        used only, and dead branches are never tied. DDP keeps at least one parameter (it
-        crashes without), sparse embeddings and parameters frozen now; nothing is taken
-        under DDP's Python reducer (compiled autograd), which handles dead branches itself."""
+        """At the construction of ``ddp`` (its module just set, its buckets not built yet): add
+        the parameters :func:`ownable` gives to DDP's ``parameters_to_ignore`` and broadcast them
+        from rank 0, as DDP does its own; :meth:`_average_owned` averages them from then on."""
         ignored, owned, kept = _ddp_ownable(ddp, root)
         if not owned:
             return
@@ -305,10 +264,9 @@ class Reducer:
     # -- forward end -----------------------------------------------------------------------------
 
     def after_forward(self, output: Any = None) -> Any:
-        # The forward that made this reducer ran this hook after all (torch < 2.7 compiles the
-        # registration that would have made it earlier), or a later forward came before any
-        # backward: usage accumulates until taken, so one launch covers both. Two would let the
-        # second's backward, finding gradients None, discard the first's usage.
+        # A forward that made this reducer may still be pending (torch < 2.7 compiles the hook
+        # that would have made it earlier): one launch covers both, since a second would let its
+        # backward, finding gradients None, discard the first's usage.
         self.needs_first = False
         layout = self._layout()
         if layout is None or not layout.units:
@@ -332,10 +290,8 @@ class Reducer:
         return output if dead else None
 
     def first_forward_hook(self, out: Any) -> None:
-        """A forward that made this reducer ran no forward hook: every routed output of it gets
-        a one-shot gradient hook; the first to fire (in the backward, when the whole forward's
-        usage is known) launches the forward's reduction, on every rank (under DDP with
-        ``find_unused_parameters=False`` a gradient reaches some routed output on each)."""
+        """For a forward that made this reducer (its forward hook will not run): the first
+        gradient to reach a routed output launches that forward's reduction, on every rank."""
         if isinstance(out, Tensor) and out.requires_grad:
             out.register_hook(self._first_grad)
 
@@ -411,12 +367,10 @@ class Reducer:
             _compat.queue_backward_callback(self._average_owned)
 
     def _average_owned(self) -> None:
-        """At the end of a backward that synchronizes: average the gradients of the owned
-        parameters that some rank used since the last averaging (the same set on every rank:
-        the reduced usage), one all-reduce per dtype and device on the DDP module's group, as
-        DDP's reducer averages its buckets (scaled by 1 / world size while copied in, summed).
-        Where a rank has no gradient it adds zeros and receives the average; the parameters
-        that no rank used keep what they hold (``None``, as for if/else)."""
+        """At the end of a synchronizing backward: average the owned parameters that some rank
+        used since the last averaging (the reduced usage: the same set on every rank), one
+        all-reduce per dtype and device, scaled as DDP fills its buckets; a rank without a
+        gradient adds zeros. The others keep what they hold (``None``, as for if/else)."""
         self._merge(lambda entry: entry[3])
         layout, w = self.layout, self.ref()
         bits, self.unaveraged = (0 if layout is None else self.unaveraged & layout.owned), 0
@@ -503,10 +457,9 @@ class Reducer:
         return done
 
     def _check_reduction_finished(self, params: "StepParams") -> None:
-        """Under DDP with ``find_unused_parameters=False`` every parameter has a gradient after a
-        backward (DDP writes them all once its reduction finishes). One that has none took no
-        part in the backward on this rank: DDP could not average this step's gradients and will
-        raise at the next forward; say which, and what to do, now."""
+        """Under DDP with ``find_unused_parameters=False`` every parameter it buckets has a
+        gradient after a backward; one without took no part on this rank, and DDP will raise at
+        the next forward: say which, and what to do, now."""
         w = self.ref()
         if not isinstance(w, nn.parallel.DistributedDataParallel) or w.find_unused_parameters or w.static_graph:
             return
@@ -526,8 +479,8 @@ class Reducer:
             )
 
     def step_params(self, params: Sequence[Tensor]) -> Optional["StepParams"]:
-        """What a step of an optimizer holding ``params`` reads (made when its parameter groups
-        or the layout change), or None when it holds none of the wrapper's."""
+        """What a step of an optimizer holding ``params`` reads; None when it holds none of the
+        wrapper's."""
         mine = [(p, k) for p, k in zip(params, self.positions_of(params)) if k >= 0]
         if not mine:
             return None
@@ -538,8 +491,8 @@ class Reducer:
         return StepParams(mine, layout.others)
 
     def positions_of(self, params: Sequence[Tensor]) -> List[int]:
-        """Where the wrapper's bytes hold each of ``params`` (-1: not the wrapper's), by name, so
-        that parameters swapped since the layout was made (FSDP2 shards) are still found."""
+        """Each of ``params``' position (-1: not the wrapper's), by name: parameters swapped since
+        the layout was made (FSDP2 shards) are still found."""
         layout = self._layout()
         root = self.root()
         if layout is None or root is None:
@@ -559,9 +512,8 @@ class Reducer:
 
 
 def _reset_zeros(params: List[Tensor]) -> int:
-    """Of parameters used only conditionally (no gradient reached them from elsewhere on any rank
-    unless theirs is nonzero), set to None the gradients that are all zeros; returns how many.
-    The values are read with one host read per device, not one per parameter."""
+    """Of parameters used only conditionally, set to None the gradients that are all zeros (one
+    host read per device); returns how many."""
     held: dict = {}
     for p in params:
         grad = p.grad
@@ -583,12 +535,10 @@ def _no_wrapper() -> None:
 
 
 def ownable(root: nn.Module, ignored: frozenset = frozenset()) -> Tuple[set, Optional[int]]:
-    """The ids of the parameters of ``root`` that a DDP module built around it leaves to the
-    reducer (:meth:`Reducer.own`): those only the groups of "auto" units hold, trainable, not a
-    sparse embedding's, not ignored already (none where the backward's end cannot be reached);
-    and the id of the one DDP keeps where it would keep no trainable parameter of its own (it
-    crashes without one): the first, which the wrapper ties into every forward's outputs, so
-    that DDP's hook for it fires on every rank whatever ran."""
+    """The ids of the parameters of ``root`` that a DDP module leaves to the reducer: those only
+    "auto" units' groups hold, trainable, not a sparse embedding's, not ignored already (none
+    where the backward's end cannot be reached); and the id of the one DDP keeps where it would
+    keep no trainable parameter (it crashes without): the first, tied into every forward."""
     if not _compat.can_queue_backward_callback():
         return set(), None
     layout = Layout(root, [m._unit for m in _unit.routing_modules(root) if m._unit.materialize is None])
@@ -628,14 +578,10 @@ def _broadcast(params: List[Tensor], group: Any) -> None:
 
 
 class LocalReducer(Reducer):
-    """The reducer of the routing units that no wrapper runs (world size 1: one process, a
-    rank-local model) and that were compiled with the default ``materialize_grads``: their
-    graphs ran every branch, the dead ones on no rows, so those branches got zero gradients where
-    if/else leaves ``None``. The same phases with nothing to hook: no wrapper's forward ends, so
-    the records are taken at the step; no wrapper's backward starts, so a gradient counts as
-    cleared when it is not the tensor it held after the previous step (``Parameters.note`` /
-    ``changed``: ``zero_grad(set_to_none=False)`` keeps that tensor, and it stays). A conditional
-    use counts as a use: no wrapper reads those gradients."""
+    """The reducer of the "auto" units that no wrapper runs and that were compiled (their graphs
+    gave dead branches zeros where if/else leaves ``None``): the phases read at the step
+    (docs/design.md, "The data-parallel layer beside DDP's Reducer"). A conditional use counts as
+    a use: no wrapper reads those gradients."""
 
     def __init__(self) -> None:
         super().__init__(None)
@@ -691,7 +637,7 @@ class LocalReducer(Reducer):
 
 class StepParams:
     """An optimizer's parameters in one reducer's layout: by position, as a bit set, and those
-    outside every group (the check that DDP could finish its reduction)."""
+    outside every group (for :meth:`Reducer._check_reduction_finished`)."""
 
     __slots__ = ("by_position", "bits", "others")
 

@@ -1,29 +1,13 @@
-"""A routing module's state, in one object: :class:`RoutingUnit`.
+"""A routing module's state, in one object: :class:`RoutingUnit` (docs/design.md, "Words"): the
+tying decided for the wrapper it runs under, its usage record, its branch table, its branches'
+output signatures and compiled choice. The decision belongs to the data-parallel layer, which
+plugs it into :data:`DATA_PARALLEL`; nothing here imports that layer. Per call, a unit only
+compares the wrapper whose forward runs (:func:`current_wrapper`) with the one it decided for.
 
-Every routing module (``MaskedBranch``, ``ResidualDropPath``, a LayerDrop list, a patched timm
-block, the record of the functional forms) owns one unit, which holds
-
-* what the parameters of its branches that did not run receive, decided once per data-parallel
-  wrapper it runs under (:class:`Tying`, :meth:`RoutingUnit.tying_here`);
-* its usage record: which of its *groups* (bit i: group i, a branch, a layer) ran since the
-  record was last taken;
-* its branch table, the output signatures of its branches and the compiled form of a
-  whole-batch choice between them (maskedbranch/_structure.py, maskedbranch/_signatures.py,
-  maskedbranch/_choice.py), dropped when its own module changes.
-
-The decision itself belongs to the data-parallel layer (maskedbranch/_reducer.py and
-maskedbranch/_decide.py), which imports this module and plugs its decision function into
-:data:`DATA_PARALLEL` when it is imported; nothing here imports it. Per call, a unit only compares
-the wrapper whose forward runs (:func:`current_wrapper`) with the one it decided for.
-
-Records: ``bits``, a Python int, in eager calls (one ``|=``); ``seen``, a small CPU tensor, in
-compiled graphs (an in-place op is data to torch.compile, where a Python attribute written per
-call would become a guard and recompile whenever the routing changes). ``cond``: groups that
-count as used only if a gradient reaches them from elsewhere (the reducer reads it at the
-step); ``held``: a record whose kind its maker decides after the call, settled by
-``held.settle(unit)`` when the record is taken (a LayerDrop owner's forward,
-maskedbranch/integrations/_layerdrop.py: used, or conditional once a decoder that dropped every
-layer turns out to have used the encoder only through its tie).
+Records: ``bits``, a Python int, in eager calls; ``seen``, a small CPU tensor, in compiled graphs
+(an in-place op is data to torch.compile, where a Python attribute written per call would become a
+guard and recompile whenever the routing changes); ``cond``, groups used only conditionally;
+``held``, a record its maker settles when the record is taken (``held.settle(unit)``: LayerDrop).
 """
 from __future__ import annotations
 
@@ -44,28 +28,17 @@ class Tying(enum.IntEnum):
     """What the parameters of a unit's branches that did not run receive, and where they are tied
     into the autograd graph (docs/design.md, "The decision table")."""
 
-    SKIP = 0
-    """Not tied: ``.grad`` stays as it was, exactly as with if/else (one process, a model no wrapper
-    runs, DDP with ``find_unused_parameters=True``, whose graph walk finds them itself)."""
-    AT_WRAPPER = 1
-    """Tied once per forward of the wrapper, by its reducer, with no gradient (DDP's C++ reducer,
-    which fills zeros into its buckets): the routed call itself only records what ran."""
-    AT_WRAPPER_ZEROS = 2
-    """As AT_WRAPPER, with zero gradients (DDP ``static_graph``, which needs a defined gradient)."""
-    NONE = 3
-    """Tied by each call, with no gradient (``materialize_grads="none"``)."""
-    ZEROS = 4
-    """Tied by each call, with zero gradients (``materialize_grads="zeros"``, FSDP2, a model given to
-    ``unused_grads_to_none``)."""
-    ALIASES = 5
-    """Each call runs its branches on aliases of all their parameters, made by one node, so that
-    every parameter's gradient (zeros when its branch did not run) leaves the graph at that node,
-    in the same order on every rank (DDP's Python reducer, for compiled autograd)."""
+    SKIP = 0  # not tied: .grad stays as it was, as with if/else
+    AT_WRAPPER = 1  # tied once per forward by the wrapper's reducer, no gradient; calls only record
+    AT_WRAPPER_ZEROS = 2  # as AT_WRAPPER, zero gradients (static_graph needs defined ones)
+    NONE = 3  # tied by each call, no gradient
+    ZEROS = 4  # tied by each call, zero gradients
+    ALIASES = 5  # each call runs its branches on aliases made by one node: same order on every rank
 
     @property
     def call_ties(self) -> Optional[bool]:
-        """What a call's own tie gives the dead parameters: None (the call ties nothing), False (no
-        gradient) or True (zeros)."""
+        """What a call's own tie gives the dead parameters: None (no tie), False (no gradient), True
+        (zeros)."""
         return _CALL_TIES[self]
 
     @property
@@ -84,10 +57,8 @@ _NAMES = {None: "auto", True: "zeros", False: "none"}
 
 
 def materialize(value: Any, allow_auto: bool = True) -> Optional[bool]:
-    """``materialize_grads`` as a unit stores it: its spellings ``"auto"`` (None: what the
-    training setting needs, the if/else result), ``"zeros"`` (True: zero gradients) and
-    ``"none"`` (False: no gradient from the routing; a wrapper that needs one, DDP, fills zeros
-    itself), and the values None / True / False they stand for."""
+    """``materialize_grads`` as a unit stores it: ``"auto"`` / None, ``"zeros"`` / True or
+    ``"none"`` / False (docs/design.md, "Dead parameters")."""
     if isinstance(value, str) and value in _SPELLINGS:
         value = _SPELLINGS[value]
     if (value is None and allow_auto) or isinstance(value, bool):
@@ -101,17 +72,14 @@ def materialize_name(value: Optional[bool]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Which wrapper's forward runs: the wrappers with a reducer push themselves on
-# ``DATA_PARALLEL.running`` while their forward runs (maskedbranch/_reducer.py); a DDP module that
-# has no reducer yet is read from DDP itself.
+# Which wrapper's forward runs.
 
 
 def current_wrapper(look_on_stack: bool = False) -> Any:
-    """The wrapper whose forward runs, the one way to find it: the innermost that pushed itself
-    (every wrapper with a reducer), else the DDP module whose forward runs (DDP's record, a DDP
-    that has no reducer yet); with ``look_on_stack``, in a distributed job, a DDP or FSDP2 module
-    whose forward is on the Python stack (a wrapper built before any routing module existed; a
-    look made when a unit decides, never per call)."""
+    """The wrapper whose forward runs, the one way to find it: the innermost with a reducer (they
+    push themselves), else the DDP module whose forward runs (DDP's record); with
+    ``look_on_stack``, in a distributed job, a DDP or FSDP2 module whose forward is on the Python
+    stack (a wrapper built before any routing module; a look made when a unit decides)."""
     running = DATA_PARALLEL.running
     if running:
         return running[-1]
@@ -138,12 +106,9 @@ def _decide_alone(unit: "RoutingUnit", wrapper: Any) -> Tying:
 
 class _DataParallelLayer:
     """The seam to the data-parallel layer: ``running``, the wrappers whose forward runs, innermost
-    last (each pushes itself; a reducer standing for a simulated one, the doctor's, too); and what the layer plugs in when it is imported:
-    ``decide(unit, wrapper) -> Tying`` (decides, gives the wrapper its reducer, settles the unit;
-    maskedbranch/_reducer.py), ``created(unit)`` (a unit exists) and ``needed()`` (something now
-    needs the optimizer step pre-hook: a wrapper got a reducer, or a graph that gives dead branches
-    zeros was compiled; maskedbranch/unused_grads.py). A model that runs in one process, eagerly,
-    under no wrapper needs nothing process-wide."""
+    last; and what the layer plugs in when imported: ``decide(unit, wrapper) -> Tying``
+    (maskedbranch/_reducer.py), ``created(unit)`` and ``needed()`` (something needs the optimizer
+    step pre-hook; maskedbranch/unused_grads.py)."""
 
     decide: Callable[["RoutingUnit", Any], Tying] = staticmethod(_decide_alone)
     created: Callable[["RoutingUnit"], None] = staticmethod(lambda unit: None)
@@ -161,13 +126,10 @@ DATA_PARALLEL = _DataParallelLayer()
 
 
 class RoutingUnit:
-    """The state of one routing module (see the module's docstring).
-
-    ``owner``: the routing module, which provides ``_unit_groups()`` (the parameters of each
-    group, bit i: group i), ``_unit_modules()`` (the modules of the groups; none for a group of
-    bare parameters) and ``_check_skippable()`` (raises for branches that run collectives).
-    ``where`` names the module in messages; ``materialize``: its ``materialize_grads`` setting
-    (None: "auto", True: "zeros", False: "none")."""
+    """The state of one routing module. ``owner`` provides ``_unit_groups()`` (the parameters of
+    each group), ``_unit_modules()`` (the groups' modules; none for bare parameters) and
+    ``_check_skippable()`` (raises for branches that run collectives); ``where`` names it in
+    messages; ``materialize``: its ``materialize_grads`` (None, True, False)."""
 
     __slots__ = (
         "owner", "where", "materialize",
@@ -208,11 +170,9 @@ class RoutingUnit:
     # -- the decision ----------------------------------------------------------------------------
 
     def tying_here(self) -> Tying:
-        """The tying of this call: the decided one while the call runs under the wrapper decided
-        for, or under none (one process; a call outside the wrapper's forward, such as a
-        checkpoint's recomputation in the backward, keeps the decision of a live wrapper); else
-        decided now. A parameter of the owner replaced since (``fully_shard`` puts its own in)
-        decides again."""
+        """The tying of this call: the decided one under the wrapper decided for, or under none
+        (a checkpoint's recomputation keeps a live wrapper's decision) unless the owner's first
+        parameter was replaced (``fully_shard``); else decided now."""
         w = current_wrapper()
         tying = self.tying
         if w is None:
@@ -225,9 +185,8 @@ class RoutingUnit:
         return DATA_PARALLEL.decide(self, w)
 
     def settle(self, reducer: Any, wrapper_id: int, row: tuple) -> None:
-        """Store a decision of the data-parallel layer: ``row``, the tyings for each
-        ``materialize_grads`` setting ("auto", "zeros", "none"; a string is a refusal's
-        message), of which the unit's own setting picks one; and what shows a later change."""
+        """Store a decision: ``row``, the tyings for "auto", "zeros", "none" (a string: a refusal's
+        message), of which the unit's setting picks one."""
         self.tying = None
         tying = tying_in(row, self.materialize, self.where)
         self.reducer, self.wrapper_id, self.row, self.tying = reducer, wrapper_id, row, tying
@@ -239,9 +198,8 @@ class RoutingUnit:
         return tying_in(self.row, materialize, self.where)
 
     def forget(self) -> None:
-        """The owner changed (a branch added or replaced, ``.to()``, ``load_state_dict``, a
-        LayerDrop owner's parameters became a group), or the wrapper decided for is gone: decide
-        again at the next call, with a new branch table; a reducer's layout of the unit is stale."""
+        """The owner changed (a branch added or replaced, ``.to()``, ``load_state_dict``) or the
+        wrapper decided for is gone: decide again, with a new branch table and layouts."""
         self.reducer = None
         self.tying = None
         self.table = None
@@ -266,9 +224,8 @@ class RoutingUnit:
     # -- the record ------------------------------------------------------------------------------
 
     def record(self, live_mask: int) -> None:
-        """Eager calls (whatever the grad mode: a reentrant checkpoint's forward runs under
-        no_grad, and its recomputation runs the same branches). The int gate's path writes
-        ``bits`` itself."""
+        """Eager calls, whatever the grad mode (a reentrant checkpoint's forward runs under
+        no_grad). The int gate's path writes ``bits`` itself."""
         self.bits |= live_mask
         self.called = True
 
@@ -294,9 +251,8 @@ class RoutingUnit:
             self.zeros = True
 
     def clear(self) -> None:
-        """Forget the record without reading it: calls outside a wrapper's forward, or inlined
-        calls that no one takes (nothing to reset). A held record is dropped unsettled: settling
-        it would only write the bits cleared here."""
+        """Forget the record unread (calls outside a wrapper's forward; inlined calls no one
+        takes). A held record is dropped unsettled: settling it would write only these bits."""
         self.held = None
         self.bits = self.cond = 0
         self.called = False
@@ -359,11 +315,10 @@ def tying_in(row: tuple, materialize: Optional[bool], where: str) -> Tying:
 
 @torch.compiler.assume_constant_result
 def _tying_while_tracing(key: int, wrapper_key: Optional[int]) -> int:
-    """:meth:`RoutingUnit.tying_here` run for real while torch.compile traces, once per graph
-    (modules are passed by id: torch 2.6 takes only constants here). The wrapper whose forward
-    runs is read in the traced code, so that another wrapper's forward makes another graph. A
-    module copied without its state (torch.export's own copies) was never noted: compiled
-    graphs hold every branch, so only a wrapper's aliases would have needed its decision."""
+    """:meth:`RoutingUnit.tying_here` run while torch.compile traces, once per graph (modules by
+    id: torch 2.6 takes only constants here; the wrapper key makes another wrapper's forward
+    another graph). A module copied without its state (torch.export's copies) gives SKIP: its
+    graph holds every branch."""
     owner = module_by_id(key)
     if owner is None:
         return int(Tying.SKIP)
@@ -378,9 +333,9 @@ def traced_tying(owner: nn.Module) -> Tying:
 
 
 class UnitOwner:
-    """Mixin of the modules that own a routing unit (before ``nn.Module`` in the bases). A copy
-    (``copy.deepcopy``, pickling) gets a unit of its own, with a fresh record and no decision:
-    ``_own_unit`` makes it, and what the module derives along with it (``_derived``: not copied)."""
+    """Mixin of the modules that own a routing unit (before ``nn.Module`` in the bases): a copy
+    (``copy.deepcopy``, pickling) gets a fresh unit from ``_own_unit``; ``_derived`` attributes
+    are not copied."""
 
     _derived: Tuple[str, ...] = ()
 

@@ -2,31 +2,17 @@
 to ``None``, so that the optimizer skips those parameters exactly as with if/else and
 ``DistributedDataParallel(find_unused_parameters=True)``.
 
-Where zeros come from: under a data-parallel wrapper, routing modules give the parameters of
-branches that did not run a gradient so that the wrapper's reduction works
-(maskedbranch/_decide.py), and the wrapper writes zeros for a branch no rank ran (not for those a
-DDP module left to maskedbranch, which keep ``None``); in a compiled graph every branch runs, on
-no rows when it is dead, so its parameters get zeros too.
-Which ones no rank used is decided where every rank takes part, after each forward of the
-wrapper (maskedbranch/_reducer.py); in one process and in a model that no wrapper runs, from the
-module's own record. The step only reads those decisions: no collective runs in
-``optimizer.step()``, so ZeRO's per-rank optimizers, several optimizers, optimizers stepped on
-some ranks only and LBFGS closures all work.
+Which parameters no rank used is decided where every rank takes part, after each forward of the
+wrapper (maskedbranch/_reducer.py); the step only reads it, so no collective runs in
+``optimizer.step()`` (ZeRO, several optimizers, optimizers stepped on some ranks, LBFGS closures
+all work). A gradient is set to ``None`` only where if/else leaves ``None``: the zero tensors of
+``zero_grad(set_to_none=False)`` stay. Used means called with autograd enabled since that
+parameter's previous step (gradient accumulation keeps everything its micro-batches used); a step
+that GradScaler skips runs no hook, so its calls count towards the next.
 
-What is installed: one optimizer step pre-hook (``torch.optim.optimizer.
-register_optimizer_step_pre_hook``), from the moment something needs it (a routing module made
-in a distributed job, a wrapper given a reducer, a routing module compiled) until the last routing module
-and reducer are gone (:func:`uninstall` removes it by hand). A model that trains in one process,
-eagerly, installs nothing process-wide: if/else leaves its gradients as they are, and so does the
-routing there. For an optimizer that holds none of their parameters the hook answers after one
-dictionary lookup; it touches only gradients of branch parameters. A gradient is set to ``None`` only where if/else leaves ``None``: when it is not the
-tensor that parameter held after its previous step (``zero_grad(set_to_none=False)`` keeps zero
-tensors, and they stay). :func:`unused_grads_to_none` attaches to one optimizer and one model
+One optimizer step pre-hook is installed while something needs it (docs/design.md, "One optimizer
+step pre-hook, scoped"); :func:`unused_grads_to_none` attaches to one optimizer and one model
 instead, and ``materialize_grads=True`` / ``False`` on a module opts it out.
-
-What counts as used: a call with autograd enabled, since that parameter's previous step
-(gradient accumulation, with or without ``no_sync``, keeps everything its micro-batches used).
-A step that GradScaler skips (inf/NaN found) runs no hook, so its calls count towards the next.
 """
 from __future__ import annotations
 
@@ -43,13 +29,10 @@ from ._unit import RoutingUnit
 __all__ = ["UnusedGradsToNone", "unused_grads_to_none", "uninstall"]
 
 class _StepHook:
-    """The one optimizer step pre-hook and the state it owns: the routing units alive (counted,
-    so that the hook goes with the last one), its handle while installed, per optimizer what a
-    step reads in each reducer, the optimizers that an explicit handle serves, how many
-    gradients the last step reset. With
-    it comes the module registration hook that gives a DDP module its reducer when it is built
-    (it runs when a module is assigned as another's attribute, at construction, never in a
-    forward, and sees ``DDP.module`` set)."""
+    """The one optimizer step pre-hook and the state it owns: the routing units alive (the hook
+    goes with the last), its handle, per optimizer what a step reads in each reducer, the
+    optimizers an explicit handle serves, how many gradients the last step reset. With it comes
+    the module registration hook that sees ``DDP.module`` set and gives that DDP its reducer."""
 
     def __init__(self) -> None:
         self.units: "weakref.WeakSet[RoutingUnit]" = weakref.WeakSet()
@@ -90,10 +73,8 @@ def _registered(parent: nn.Module, name: str, child: Any) -> None:
 
 
 def _created(unit: RoutingUnit) -> None:
-    """Each routing unit, when it is created (its module made or copied). In a distributed job a
-    DDP module may be built around it next: the watch that gives it its reducer at construction
-    and the step pre-hook are installed now. Elsewhere they come when
-    needed (a model built before ``init_process_group`` gets its DDP's reducer at the first forward)."""
+    """Each routing unit, when created. In a distributed job a DDP module may be built around it
+    next: the watch for that and the step pre-hook are installed now; elsewhere when needed."""
     _hook.units.add(unit)
     _hook.alive += 1
     weakref.finalize(unit, _gone)
@@ -135,8 +116,8 @@ def _params_of(optimizer: Any) -> List[Tensor]:
 
 
 def _step_params(optimizer: Any, reducers: Sequence[Any]) -> List[Tuple[Any, Any]]:
-    """Per reducer, what a step of this optimizer reads there (cached per optimizer until its
-    parameter groups or the reducers change)."""
+    """Per reducer, what a step of this optimizer reads there (cached until its parameter groups
+    or the reducers change)."""
     key = (tuple(len(g["params"]) for g in optimizer.param_groups), _reducer.REDUCERS.version,
            tuple(map(id, reducers)))
     found = _hook.params.get(optimizer)
@@ -149,9 +130,8 @@ def _step_params(optimizer: Any, reducers: Sequence[Any]) -> List[Tuple[Any, Any
 
 
 def _check_fsdp2() -> None:
-    """FSDP2 reduces only the gradients that are defined, pairing them by position across
-    ranks: undefined gradients of skipped branches (``materialize_grads=False``) make it average
-    different parameters together. Its sharded parameters (DTensors) show it at the step."""
+    """Refuse ``materialize_grads=False`` under FSDP2, which pairs defined gradients by position
+    across ranks; its sharded parameters (DTensors) show it only at the step."""
     for u in list(_hook.units):
         if u.materialize is not False:
             continue
@@ -198,10 +178,9 @@ def _before_any_step(optimizer, args, kwargs) -> Optional[Tuple[tuple, dict]]:
 
 
 def _after_closure(optimizer, args: tuple, kwargs: dict, reset) -> Optional[Tuple[tuple, dict]]:
-    """Run ``reset`` now, or after the closure when ``step`` was given one (LBFGS, Lightning's
-    automatic optimization): the closure runs the forward and backward inside ``step``, after
-    the pre-hooks, so resetting before it would see no gradients. Returns the (args, kwargs)
-    that the step hook hands back to ``step``."""
+    """Run ``reset`` now, or after the closure when ``step`` was given one (LBFGS, Lightning): the
+    closure runs the backward inside ``step``, after the pre-hooks. Returns the (args, kwargs)
+    the step hook hands back to ``step``."""
     at = 1 if args and args[0] is optimizer else 0  # the hooks see step's args with self first
     closure = kwargs.get("closure", args[at] if len(args) > at else None)
     if not callable(closure):

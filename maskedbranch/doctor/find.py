@@ -6,7 +6,7 @@ drop_add_residual, the patched timm and transformers models) ties the parameters
 branches into the graph in a DDP job, not in one process: the ranks run under
 ``as_if_under_ddp`` so that the graph is the one DDP would see. Forward pre-hooks count each
 routing module's calls; the branches that ran are the bits each routing unit records for the
-step-time pruning (maskedbranch/unused_grads.py). Together they tell a branch that no rank
+step-time reset (maskedbranch/unused_grads.py). Together they tell a branch that no rank
 sampled from a parameter that nothing uses. Routing in plain Python (if/else, a loop over the
 experts a router hit) is named as such where the model shows it: siblings that diverge, experts,
 a Hugging Face LayerDrop stack.
@@ -127,7 +127,7 @@ def find_divergent_parameters(
 
 class _Watch:
     """What every routing unit in the model did per rank: the calls and rows of each routing module
-    (forward pre-hooks) and the groups that ran (the unit's record, which the step-time pruning
+    (forward pre-hooks) and the groups that ran (the unit's record, which the step-time reset
     reads: put back as it was afterwards). The units are the module forms' (MaskedBranch,
     ResidualDropPath, the transformers patch's LayerDrop lists), found by module, and the
     functional forms' (``masked_branch``, ``drop_add_residual``: one unit per module branch),

@@ -3,7 +3,7 @@ LayerDrop as HF does (:class:`LayerDropList`), the stand-in for a dropped layer,
 hooks that hold HF's own probability at a neutral value and record which units ran, for the
 reset of unused gradients (maskedbranch/_reducer.py).
 
-Units of an owner, for the pruning: each layer, and the owner's other parameters. A forward's
+Units of an owner, for the reset: each layer, and the owner's other parameters. A forward's
 units count as used at the owner's next forward or when the wrapper takes them, unless a consumer
 did not use the owner's output: a decoder that dropped every layer only tied the encoder's
 output in (so that DDP and FSDP2 see its parameters), and the encoder's units then count only
