@@ -1,23 +1,7 @@
-"""Autograd for the routing ops, as ``torch.autograd.Function`` subclasses (public API only).
-
-Why Python Functions (docs/design.md, "Autograd"): they work under torch.compile, compiled
-autograd and torch.func, where C++ autograd Functions fail under torch.func; and
-``torch.library.register_autograd`` puts a Python kernel in every call. Each Function is
-written once in the ``setup_context`` form that torch.func needs; :func:`_two_forms` derives the
-classic form from it, which eager mode uses because the other form's ``apply`` binds its
-arguments with ``inspect.signature`` at every call (see maskedbranch/_compat.py). Both forms
-run the same code.
-
-* :class:`Gather`: ``x -> (x[rows of branch 0], ..., x[rows of branch N-1])``; backward: combine.
-* :class:`Combine`: ``(base, weights, ys) -> base + sum_i w_i * scatter(y_i)``; backward: gather
-  (and the weights' gradient). Parameters passed after ``ys`` are *tied* into the graph.
-* :class:`Tie`: a copy of ``x`` with further tensors tied into the graph.
-* :class:`Pick`: ``(index, *tensors of every branch) -> the chosen branch's tensors``; backward:
-  the gradient to the chosen branch's tensors, zeros to the others' (a compiled whole-batch
-  choice, maskedbranch/_choice.py).
-
-Tied tensors (the parameters of branches that did not run) receive an undefined gradient, or
-zeros when ``zeros`` is set (docs/design.md, "Dead parameters").
+"""Autograd for the routing ops: ``torch.autograd.Function``s, each written once in the
+``setup_context`` form, with a classic-form twin for eager calls (:func:`_two_forms`; docs/design.md,
+"Autograd in Python Functions, in two forms"). Tied tensors get an undefined gradient, or zeros
+when ``zeros`` is set (docs/design.md, "Words" and "Dead parameters").
 """
 from __future__ import annotations
 
@@ -118,7 +102,7 @@ class Gather(Function):
 @_two_forms
 class Combine(Function):
     """``apply(base, weights, rows, row_offsets, row_branch, row_pos, num_ys, zeros, *ys, *tied)``
-    -> ``base + sum_i weights[:, i] * scatter(ys[i])``."""
+    -> ``base + sum_i weights[:, i] * scatter(ys[i])``, with ``tied`` tied into its graph."""
 
     @staticmethod
     def forward(base, weights, rows, row_offsets, row_branch, row_pos, num_ys, zeros, *tensors):
@@ -198,8 +182,7 @@ class Pick(Function):
     """``apply(index, branches, *tensors)`` -> copies of the chosen branch's tensors
     (``tensors``: k per branch, branch after branch); backward: the gradient to the chosen
     branch's tensors, zeros to the others'. Only compiled graphs call it (the stacked choices of
-    maskedbranch/_choice.py), where a Function keeps the op free of the Python autograd kernel
-    that one registered on it (``torch.library.register_autograd``) would add to every call."""
+    maskedbranch/_choice.py); why a Function: docs/design.md, "Compiled whole-batch choices"."""
 
     @staticmethod
     def forward(index, branches, *tensors):

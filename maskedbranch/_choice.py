@@ -1,37 +1,8 @@
-"""Whole-batch choices inside a compiled graph: one branch of a table runs on the whole batch,
-chosen by a 0-d integer tensor (MaskedBranch's int or 0-d tensor gate; a "batch" drop path keeps
-or skips its branch), and one graph serves every choice. Only the chosen branch computes, and
-the branches' buffers (BatchNorm's running statistics) change exactly as with if/else: the
-chosen branch's are updated, the others' are left alone.
-
-A table's form is picked once, while torch.compile traces (:func:`form_while_tracing`, kept in
-the unit; maskedbranch/_unit.py):
-
-* ``STACKED``: every branch has the same structure (class, plain attributes, parameter and
-  buffer names, shapes, dtypes and devices, in every submodule; :func:`structure_key`). The
-  chosen branch's parameters and buffers are copied out by one op each (``maskedbranch::pick``,
-  the index read on the device) and the first branch's code runs on them, swapped in by name
-  (:func:`_call_swapped`). No control flow, static shapes, any torch version; the cost
-  is a copy of the chosen branch's parameters per call (and, in the backward, zero gradients
-  for the others'). It compiles fastest.
-* ``CONDS``: one ``torch.cond`` per branch (``gate == k``), one after the other, none nested
-  (nested conds are traced again at every level). Cond k runs branch k or passes the running
-  output through (a copy: cond's outputs may not alias its inputs). torch >= 2.13
-  (:data:`COND_TORCH`); torch 2.6's ``torch.cond`` gives no gradient to the branches' parameters
-  in training and cannot carry buffers.
-* ``ROWS``: the routed rows of maskedbranch/_route.py (every branch on its rows, a padded row
-  for the others), where neither applies: torch < 2.13 with branches of different structures,
-  extra arguments, outputs whose signature cannot be found on meta tensors.
-
-Buffers cross ``torch.cond`` and the stacked call as copies: each branch runs with copies of
-its buffers swapped in (what BatchNorm updates in place; ``torch.func.functional_call`` inside a
-cond). The copies leave the cond (integer ones as float64: an integer output of a cond fails its
-autograd, torch 2.14.1) and are copied back into the buffers after it; the stacked form writes
-them into the chosen branch's buffers only (``maskedbranch::put_``). :func:`call_carrying` does
-the same for the routed rows (maskedbranch/_route.py), whose padded rows must not update a dead
-branch's statistics.
-Activations and parameters enter a cond 2-D (:func:`_rows`), in the one layout a compiler
-cannot change.
+"""Whole-batch choices inside a compiled graph (an int or 0-d tensor gate, a "batch" drop path):
+one graph serves every choice, only the chosen branch computes, and only its buffers change, as
+with if/else. The forms (``STACKED``, ``CONDS``, ``ROWS``) and why: docs/design.md, "Data flow"
+(torch.compile) and "Compiled whole-batch choices run one branch, stacked or through
+`torch.cond`". Also the buffers carried as copies for the routed rows (:func:`call_carrying`).
 """
 from __future__ import annotations
 
@@ -186,7 +157,8 @@ def write_back(pairs: Sequence[Tuple[Tensor, Tensor]], live: Optional[Tensor] = 
 
 
 def _out_of_cond(t: Tensor) -> Tensor:
-    return t if t.is_floating_point() else t.to(torch.float64)  # exact below 2**53
+    # An integer output of a cond fails its autograd (torch 2.14.1); float64 is exact below 2**53.
+    return t if t.is_floating_point() else t.to(torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,9 +175,8 @@ def check_id(gate: Tensor, n: int) -> Tensor:
 @torch.compiler.assume_constant_result
 def _state_names(key: int) -> Tuple[tuple, tuple]:
     """The parameter and buffer names of the first branch of routing module ``key`` (by id), each
-    as (submodule path, attribute, full name), answered while tracing: the stacked form then
-    reads every branch's tensors by attribute, where tracing ``named_parameters()`` and
-    ``named_buffers()`` for every branch would put their module walks in Dynamo's trace."""
+    as (submodule path, attribute, full name), a constant of the trace: the stacked form reads
+    every branch's tensors by attribute, keeping the module walks out of Dynamo's trace."""
     first = _unit.module_by_id(key)._unit_modules()[0]
 
     def split(named):
@@ -217,11 +188,9 @@ def _state_names(key: int) -> Tuple[tuple, tuple]:
 def _call_swapped(module: nn.Module, param_names: tuple, buffer_names: tuple, state: Dict[str, Tensor], x: Tensor,
                   args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``module(x, *args, **kwargs)`` with its parameters and buffers (by the names of
-    :func:`_state_names`) replaced by ``state``'s tensors for the call: what
-    ``torch.func.functional_call`` does, in a few traced steps per tensor: Dynamo would trace
-    functional_call's own search of the module's tensors, layer by layer. A cond's branches
-    keep functional_call: Dynamo refuses a cond branch that writes into a module outside it,
-    and lets functional_call's writes through."""
+    :func:`_state_names`) replaced by ``state``'s tensors for the call: ``torch.func.functional_call``
+    in fewer traced steps. A cond's branches keep functional_call: Dynamo refuses a cond branch
+    that writes into a module outside it, and lets functional_call's writes through."""
     swapped = []
     for names, kind in ((param_names, "_parameters"), (buffer_names, "_buffers")):
         for path, name, full in names:
@@ -245,15 +214,9 @@ def stacked(owner: nn.Module, branches: Sequence[nn.Module], x: Tensor, gate: Te
     -1 unless the gate is known to be ``nonnegative`` (an int >= 0). The buffers are written back
     into the chosen branch's (``maskedbranch::put_``, nothing for -1).
 
-    The ops are opaque to the compiler, so that the choice stays out of the branch's kernels:
-    a stack and an ``index_select`` per tensor (and a ``torch.where`` per branch and buffer for
-    the write-back) would be fused into them and indexed indirectly, which multiplies what
-    inductor compiles.
-
-    The zeros for -1 are a ``torch.where`` on the output. Where the branch ends in a ReLU whose
-    input is not saved otherwise, inductor then saves a bool mask for the backward, which its
-    CPU code stores slowly; an opaque pick of the output would avoid that but costs branches
-    with BatchNorm, the common case, more."""
+    The zeros for -1 are a ``torch.where`` on the output (after a ReLU it costs a slow bool mask:
+    docs/guides/compile.md); an opaque pick of the output would cost branches with BatchNorm, the
+    common case, more."""
     first = branches[0]
     n = len(branches)
     param_names, buffer_names = _state_names(id(owner))
@@ -281,11 +244,9 @@ def stacked(owner: nn.Module, branches: Sequence[nn.Module], x: Tensor, gate: Te
 
 
 def _rows(t: Tensor) -> Tensor:
-    """``t`` as a cond's operand or output: 2-D, a row per batch row. A 4-D tensor can reach a
-    cond's subgraphs in another layout than they were traced with: inductor's layout
-    optimization (on by default on the CPU) may make activations and convolution weights
-    channels_last while the subgraphs assert the traced strides; a 2-D tensor has one layout.
-    The branches' parameters enter flattened too."""
+    """``t`` as a cond's operand or output: 2-D, a row per batch row, a shape with one layout, which
+    inductor's layout optimization cannot make differ from the cond's traced strides (docs/design.md,
+    "Compiled whole-batch choices run one branch"). The branches' parameters enter flattened too."""
     return t.reshape(t.shape[0], -1)
 
 
@@ -303,8 +264,10 @@ def _call_inside(module: Optional[nn.Module], branch: Callable, h: Tensor, param
 
 def conds(branches: Sequence[Any], x: Tensor, gate: Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any],
           signature: Tuple[tuple, torch.dtype], views: Sequence[bool]) -> Tensor:
-    """One torch.cond per branch (see the module's docstring); zeros of ``signature`` when no
-    branch is chosen. ``views[k]``: branch k returns its input or a view of it (given a copy)."""
+    """One ``torch.cond`` per branch (``gate == k``), chained, never nested; zeros of ``signature``
+    when no branch is chosen. A skipping cond passes the running output through as a copy, and
+    ``views[k]`` (branch k returns its input or a view of it) gets one: a cond's outputs may not
+    alias its inputs."""
     trailing, dtype = signature
     shape = x.shape
     y = torch.zeros((shape[0], math.prod(trailing)), dtype=dtype, device=x.device)
@@ -379,13 +342,11 @@ def masked(branch: Callable, x: Tensor, kept: Tensor, args: Tuple[Any, ...], sca
 
 def inline(owner: nn.Module, branches: Sequence[Any], x: Tensor, k: int, tying: Any) -> Optional[Tuple[Tensor, int]]:
     """Under torch.compile, a Python int gate ``k`` (checked) as if/else compiles ``branches[k](x)``:
-    the chosen branch inlined in the graph, which Dynamo guards on ``k`` (a graph per choice,
-    where if/else has one); -1 gives zeros of the branches' output signature (the caller ties
-    ``x`` in where the tying says). Returns (output, the groups that ran as a bit mask), or None where
-    the call must tie its dead branches' parameters itself (explicit settings, FSDP2, DDP's
-    Python reducer) or the signature of -1 is unknown: those take :func:`stacked` / :func:`conds`,
-    one graph for every choice. A 0-d tensor gate is that one-graph form. Not under torch.export
-    (an exported program keeps no record), nor on torch 2.6, which cannot tell it from a compile."""
+    inlined, a graph per choice; -1 gives zeros of the branches' output signature (the caller ties
+    ``x`` in where the tying says). Returns (output, the groups that ran as a bit mask), or None
+    where the call ties its dead branches' parameters itself or the signature of -1 is unknown
+    (:func:`stacked` / :func:`conds` then), under torch.export (an exported program keeps no
+    record) and on torch 2.6, which cannot tell an export from a compile."""
     exporting = getattr(torch.compiler, "is_exporting", None)
     if tying.call_ties is not None or exporting is None or exporting():
         return None

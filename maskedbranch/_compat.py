@@ -1,56 +1,6 @@
-"""The only place where maskedbranch touches private PyTorch APIs, each behind a feature check
-with a public fallback that the tests exercise (tests/test_compat.py).
-
-* :func:`functorch_active`: whether a ``torch.func`` transform is running. autograd Functions
-  come in two forms (maskedbranch/_autograd.py): the ``setup_context`` form that torch.func
-  requires, and the classic form, which costs about 40 us less per call in eager mode (the
-  former binds its arguments with ``inspect.signature`` on every call). Fallback: always the
-  torch.func form (correct everywhere, slower).
-* :func:`active_ddp`: the ``DistributedDataParallel`` whose forward is running, so that the
-  routing modules can read its settings (maskedbranch/_decide.py). Fallback: None, "no DDP
-  knowledge": dead branches then get zero gradients, which is right under every DDP setting
-  (maskedbranch/unused_grads.py sets those of parameters no rank used back to None), at the
-  cost of the zero fills, of pruning over the default process group and of not recognising
-  parameters that a branch shares with the rest of the model (tests/test_ddp_masked_branch.py).
-* :func:`ddp_python_reducer`: whether DDP uses its Python reducer (``torch._dynamo.config.
-  optimize_ddp``, what compiled autograd needs). Fallback: True (the gradient order that the
-  Python reducer needs is correct under every reducer, only a little costlier).
-* :func:`ddp_join_active`: whether a DDP module runs inside ``Join`` (uneven inputs), read from
-  its ``_join_config``. Fallback: False (a Join then fails in the all-reduce it cannot shadow,
-  with gloo's or NCCL's own error, instead of with maskedbranch's message).
-* :func:`queue_backward_callback`: run a function when the running backward ends, after every
-  gradient of it is accumulated (``Variable._execution_engine.queue_callback``, what DDP's own
-  reducer finishes with), so that the parameters a DDP module leaves to maskedbranch are averaged
-  there. Fallback: None (nothing queued): maskedbranch then leaves every parameter to DDP and ties
-  the dead ones instead, correct and slower (maskedbranch/_reducer.py).
-* :func:`ddp_ignored_names`: the set of names that a DDP module under construction leaves out
-  of its reducer and its initial broadcast (``parameters_to_ignore``, undocumented: DDP fills it
-  from ``_ddp_params_and_buffers_to_ignore`` before it assigns ``DDP.module`` and reads it when it
-  builds its reducer, after). Fallback: None (every parameter stays DDP's, dead ones tied).
-* :func:`ddp_comm_hooks`: the communication hooks registered on a DDP module (``_comm_hooks``),
-  so that a hook which would not see the parameters maskedbranch averages is refused with a
-  message. Fallback: none seen (those parameters are then averaged exactly while the hook
-  compresses the others).
-* :func:`inductor_layout_optimization`: whether inductor is lowering a graph with its layout
-  optimization on (channels_last convolutions), read from its graph handler at compile time
-  only. Fallback: False (no warning that a routed convolution will fail inductor's stride check:
-  the failure's own message then stands alone).
-* :func:`captures_data_dependent`: while torch.compile traces, whether Dynamo captures
-  ``.tolist()`` of a tensor and ops whose output size is data (``capture_scalar_outputs`` and
-  ``capture_dynamic_output_shape_ops``, or ``fullgraph=True`` on torch >= 2.13), read from the
-  shape environment of the trace. Fallback: the two flags in ``torch._dynamo.config`` (under
-  ``fullgraph=True`` without them, the drop paths then run the dense formula: same results).
-* :func:`wrapper_on_stack`: the DDP or FSDP2 module whose forward is on the Python stack
-  (``sys._getframe``, CPython's frames), for a routing unit that first runs under a wrapper
-  that has not announced itself (a DDP built before any routing module existed in a
-  distributed job); read when a unit decides, never per call. Fallback: None (the unit decides
-  as in one process until the wrapper's own hooks or DDP's record find it).
-* :func:`recompile_limit`: Dynamo's limit of graphs per frame (``torch._dynamo.config.
-  recompile_limit``, ``cache_size_limit`` before torch 2.7), for the warning that int gates
-  approach it. Fallback: None (no warning).
-* :func:`is_view_of`: whether a tensor is ``x`` or a view of it (``Tensor._base``), read on meta
-  tensors while a graph is traced, so that a branch that returns its input is given a copy
-  inside ``torch.cond`` (which refuses outputs aliasing inputs). Fallback: True (a copy always).
+"""The project's only uses of private PyTorch APIs (docs/design.md, "_compat.py is the one private-API
+module"). Each function names the private API it reads, why, and its public fallback, which
+tests/test_compat.py exercises through ``_force_fallback``.
 """
 from __future__ import annotations
 
@@ -69,27 +19,28 @@ _functorch_check = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
 def functorch_active() -> bool:
-    """True while a torch.func transform (grad, vjp, vmap, ...) is running."""
+    """True while a torch.func transform (grad, vjp, vmap, ...) runs
+    (``torch._C._are_functorch_transforms_active``), so that eager calls can take the cheaper
+    classic-form autograd Functions (docs/design.md, "Autograd in Python Functions, in two forms").
+    Fallback: True, the ``setup_context`` form everywhere (correct, slower)."""
     if _functorch_check is None or _force_fallback["functorch"]:
         return True  # fallback: the form that works under the transforms works everywhere
     return bool(_functorch_check())
 
 
 def tracing() -> bool:
-    """True while torch.compile traces or a torch.func transform runs: the routing modules then
-    build their branch structure afresh instead of using their cache. Dynamo would guard on the
-    cache (and its own graph modules invalidate it), and ``torch.func.functional_call`` swaps
-    parameters in without registering them, so a cache built under it would keep the swapped-in
-    tensors."""
+    """True while torch.compile traces or a torch.func transform runs, when the routing modules
+    build their branch table afresh: Dynamo would guard on the cache (and its graph modules
+    invalidate it), and a cache built under ``torch.func.functional_call`` would keep the
+    parameters it swaps in unregistered."""
     return torch.compiler.is_compiling() or functorch_active()
 
 
-
 def compiled_autograd_tracing() -> bool:
-    """True while compiled autograd traces a backward (a backward asks). The flag lives in
-    ``torch._dynamo.compiled_autograd``, which is loaded whenever compiled autograd is on; the
-    fallback, ``torch.compiler.is_compiling()``, is also true while torch.compile traces a
-    backward."""
+    """True while compiled autograd traces a backward (tied tensors then get zeros, and no callback
+    is queued): ``torch._dynamo.compiled_autograd.in_compiled_autograd_region``, loaded whenever
+    compiled autograd is on. Fallback: ``torch.compiler.is_compiling()``, also true while
+    torch.compile traces a backward."""
     module = sys.modules.get("torch._dynamo.compiled_autograd")
     if module is None:
         return False
@@ -107,17 +58,22 @@ _PYTHON_REDUCER = ("python_reducer", "python_reducer_without_compiled_forward")
 
 
 def active_ddp() -> Optional[nn.Module]:
-    """The DistributedDataParallel module whose forward is running (C++ reducer), or None.
-    DDP's Python reducer does not set it."""
+    """The DDP module whose forward runs under the C++ reducer (DDP's ``_active_ddp_module``,
+    which the Python reducer does not set), or None: how a unit finds a DDP that has no reducer
+    yet and reads its settings. Fallback: None, "no DDP knowledge": dead branches get zero
+    gradients, which every DDP setting accepts, at the cost of the zero fills, of reducing usage
+    over the default process group and of not recognising parameters a branch shares with the
+    rest of the model."""
     if _HAS_ACTIVE_ATTR and not _force_fallback["ddp"]:
         return _DDP._active_ddp_module
     return None
 
 
 def ddp_python_reducer() -> bool:
-    """Whether DDP modules built now use the Python reducer. DDP reads the setting from
-    ``torch._dynamo.config`` in its constructor (importing it), so before any import nothing
-    can have set it."""
+    """Whether DDP modules built now use the Python reducer, which compiled autograd needs
+    (``torch._dynamo.config.optimize_ddp``; DDP imports that config in its constructor, so while
+    it is not imported nothing has set it). Fallback: True: the gradient order the Python reducer
+    needs is correct under every reducer, only a little costlier."""
     config = sys.modules.get("torch._dynamo.config")
     if config is None:
         return False
@@ -128,9 +84,9 @@ def ddp_python_reducer() -> bool:
 
 
 def ddp_uses_python_reducer(module: nn.Module) -> bool:
-    """Whether this DDP module all-reduces with the Python reducer. DDP records its choice at
-    construction; without that attribute, the setting it reads (a later change of which then
-    goes unseen)."""
+    """Whether this DDP module all-reduces with the Python reducer, as DDP recorded at
+    construction (``_use_python_reducer``). Fallback: :func:`ddp_python_reducer`, whose later
+    changes then go unseen."""
     flag = getattr(module, "_use_python_reducer", None)
     if isinstance(flag, bool) and not _force_fallback["python_reducer"]:
         return flag
@@ -138,7 +94,10 @@ def ddp_uses_python_reducer(module: nn.Module) -> bool:
 
 
 def ddp_join_active(module) -> bool:
-    """Whether ``module`` is a DDP module inside ``torch.distributed.algorithms.Join``."""
+    """Whether ``module`` is a DDP module inside ``torch.distributed.algorithms.Join`` (DDP's
+    ``_join_config``), which the reducer refuses with its message: joined ranks miss the usage
+    all-reduce. Fallback: False: a Join then fails in that all-reduce with gloo's or NCCL's own
+    error."""
     config = getattr(module, "_join_config", None) if isinstance(module, _DDP) else None
     if config is None or _force_fallback["join"]:
         return False
@@ -146,10 +105,12 @@ def ddp_join_active(module) -> bool:
 
 
 def queue_backward_callback(fn) -> bool:
-    """Queue ``fn`` to run when the backward that is running ends (called from a hook inside it);
-    False where it cannot be queued: also while compiled autograd traces the backward (torch 2.6
-    asserts there; only DDP's C++ reducer leaves parameters to maskedbranch, and torch refuses it
-    under compiled autograd with its own error)."""
+    """Queue ``fn`` (from a hook inside the backward) to run when the backward ends, after all its
+    gradients are accumulated, as DDP's own reducer finishes (the engine's
+    ``Variable._execution_engine.queue_callback``): there the parameters a DDP module leaves to
+    maskedbranch are averaged. False where nothing is queued: the fallback (DDP then keeps every
+    parameter, dead ones tied at the wrapper: correct, slower), and while compiled autograd traces
+    the backward (torch 2.6 asserts there; no parameter is left to maskedbranch under it)."""
     queue = _engine_queue_callback()
     if queue is None or compiled_autograd_tracing():
         return False
@@ -164,6 +125,10 @@ def _engine_queue_callback():
 
 
 def ddp_ignored_names(module) -> Optional[set]:
+    """The names a DDP module under construction leaves out of its buckets and its initial
+    broadcast (``parameters_to_ignore``, undocumented; when DDP reads it: docs/design.md, "Routed
+    parameters leave DDP's buckets"), to which the parameters maskedbranch averages are added.
+    Fallback (forced with the callback's): None: every parameter stays DDP's, dead ones tied."""
     names = getattr(module, "parameters_to_ignore", None)
     if not isinstance(names, set) or _force_fallback["callback"]:
         return None
@@ -171,17 +136,22 @@ def ddp_ignored_names(module) -> Optional[set]:
 
 
 def can_queue_backward_callback() -> bool:
+    """Whether :func:`queue_backward_callback` can queue at all (if not, DDP keeps every parameter)."""
     return _engine_queue_callback() is not None
 
 
 def ddp_comm_hooks(module) -> list:
-    """The communication hooks registered on a DDP module (empty where none can be seen)."""
+    """The communication hooks registered on a DDP module (``_comm_hooks``), so that one, which
+    would not see the parameters maskedbranch averages, is refused with a message. Fallback: none
+    seen: those parameters are averaged exactly while the hook compresses the others."""
     return list(getattr(module, "_comm_hooks", None) or ())
 
 
 def inductor_layout_optimization() -> bool:
-    """True while inductor lowers a graph to which it applies its layout optimization
-    (channels_last convolutions)."""
+    """True while inductor lowers a graph with its layout optimization (channels_last
+    convolutions), read from its graph handler (``torch._inductor.virtualized.V.graph``) at compile
+    time only, for the warning that a routed convolution will fail inductor's stride check.
+    Fallback: False (no warning: the failure's own message stands alone)."""
     virtualized = sys.modules.get("torch._inductor.virtualized")
     if virtualized is None or _force_fallback["inductor"]:
         return False
@@ -198,8 +168,10 @@ def captures_data_dependent() -> bool:
     """While torch.compile traces (call it from a function Dynamo runs for real, such as one
     marked ``torch.compiler.assume_constant_result``): whether this trace captures ``.tolist()``
     of a tensor and ops with data-dependent output sizes, rather than breaking the graph there.
-    Dynamo records its answer in the trace's shape environment (the two flags, or fullgraph on
-    torch >= 2.13); without it, the flags themselves."""
+    Read from the trace's shape environment (``torch._guards.TracingContext``), where Dynamo
+    records the two flags, or fullgraph on torch >= 2.13. Fallback: the flags in
+    ``torch._dynamo.config`` (under ``fullgraph=True`` without them, the drop paths then run the
+    dense formula: same results)."""
     if not _force_fallback["capture"]:
         try:
             context = torch._guards.TracingContext.try_get()
@@ -215,7 +187,10 @@ def captures_data_dependent() -> bool:
 
 
 def is_view_of(y: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether ``y`` is ``x`` or shares its memory as a view (both views of one base included)."""
+    """Whether ``y`` is ``x`` or shares its memory as a view (both views of one base included;
+    ``Tensor._base``), read on meta tensors while a graph is traced, so that a branch that returns
+    its input gets a copy inside ``torch.cond`` (which refuses outputs aliasing inputs). Fallback:
+    True (a copy always)."""
     if y is x:
         return True
     if _force_fallback["views"]:
@@ -237,8 +212,11 @@ _CALL_CODES = frozenset(getattr(nn.Module, n).__code__ for n in ("_call_impl", "
 
 
 def wrapper_on_stack() -> Optional[nn.Module]:
-    """The outermost DDP or FSDP2 module on the Python stack whose forward is running (a
-    compiled module counts as the module it compiles)."""
+    """The outermost DDP or FSDP2 module whose forward is on the Python stack (a compiled module
+    counts as the module it compiles), read from CPython's frames (``sys._getframe``) when a unit
+    decides under a wrapper that has not announced itself (a DDP built before any routing module
+    existed in a distributed job); never per call. Fallback: None: the unit decides as in one
+    process until the wrapper's own hooks or DDP's record find it."""
     getframe = getattr(sys, "_getframe", None)
     if getframe is None or _force_fallback["stack"]:
         return None
@@ -256,7 +234,9 @@ def wrapper_on_stack() -> Optional[nn.Module]:
 
 
 def recompile_limit() -> Optional[int]:
-    """How many graphs Dynamo compiles for one frame before it runs the frame eagerly."""
+    """How many graphs Dynamo compiles for one frame before it runs the frame eagerly
+    (``torch._dynamo.config.recompile_limit``, ``cache_size_limit`` before torch 2.7), for the
+    warning that int gates approach it. Fallback: None (no warning)."""
     if _force_fallback["recompile_limit"]:
         return None
     config = getattr(getattr(torch, "_dynamo", None), "config", None)

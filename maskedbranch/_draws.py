@@ -1,8 +1,7 @@
-"""The host draw of the drop paths and the factor of kept rows (maskedbranch/drop_path.py,
-maskedbranch/residual.py, the timm patch): the masks come from the same stream as timm's and
-torchvision's, and the factor is rounded to the dtype as they round it, so that results match
-theirs bit for bit. The other place a mask is drawn is x's device, in the formula itself
-(``drop_path._drop_path``), where timm draws."""
+"""The drop paths' host draw and the factor of kept rows (docs/design.md, "Host-side drop masks for
+the residual form"): the masks come from timm's and torchvision's stream and the factor is rounded
+as they round it, so that results match theirs bit for bit. The only other draw is on x's device,
+in ``drop_path._drop_path``, where timm draws."""
 from __future__ import annotations
 
 import math
@@ -13,9 +12,8 @@ import torch
 from torch import Tensor
 
 
-# Under torch.compile the draw is the op keep_draw (csrc/cpu/draw.cpp): the same draw from the
-# same default CPU generator, opaque to the compiler (which would replace a traced bernoulli_ by
-# its own random stream) and kept in program order by the token every draw mutates.
+# The token that every compiled draw (the op keep_draw) mutates, keeping the draws in program order
+# (docs/design.md, "The compiled draw is an op").
 _ORDER = torch.zeros(1, dtype=torch.int64)
 
 
@@ -24,10 +22,8 @@ def draw(n: Any, keep_prob: float, generator: Optional[torch.Generator] = None) 
     draw. Same stream as timm's and torchvision's ``empty(...).bernoulli_(keep_prob)`` on a CPU
     tensor with the same seed; inside a compiled graph (no ``generator``), the op keep_draw."""
     if generator is None and torch.compiler.is_compiling():
-        # The rate as a float64 tensor made by a multiplication, which torch.compile keeps
-        # symbolic when the rate changes: a `float` argument (or torch.full's fill value) is
-        # specialized to the value seen while tracing, and the compile caches would serve it
-        # to the frames of other rates.
+        # The rate as a tensor made by arithmetic, never a float that the compile caches could
+        # specialize and serve to other rates (docs/design.md, "The compiled draw is an op").
         rate = torch.ones((), dtype=torch.float64) * keep_prob
         return torch.ops.maskedbranch.keep_draw(_ORDER, n, rate)
     return torch.empty(n, dtype=torch.float32).bernoulli_(keep_prob, generator=generator)

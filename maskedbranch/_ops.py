@@ -1,18 +1,7 @@
-"""The compiled ops (``torch.ops.maskedbranch``): loading the library, the routing plan, and the
-fake kernels that torch.compile, torch.export and ``opcheck`` trace with.
-
-The ops, in the order data flows through a masked layer (docs/design.md):
-
-* ``plan``: gate -> routing plan (CSR by branch and by row), see :func:`make_plan`;
-* ``gather``: each branch's rows of x, one new tensor per branch (optionally weighted);
-* ``combine``: ``out = base + sum_i w[:, i] * y_i`` read from the per-branch outputs;
-* ``combine_weights_backward``: the gradient of combine's weights;
-* ``pick`` / ``pick_backward`` / ``put_``: a compiled whole-batch choice's chosen branch, its
-  tensors read out (copies), their gradient (zeros for the other branches), its buffers written
-  back (maskedbranch/_choice.py).
-
-gather and combine are each other's adjoint; their autograd formulas live in
-maskedbranch/_autograd.py.
+"""The compiled ops (``torch.ops.maskedbranch``): loading the library, the routing plan, shipping it
+to the device, the parameter table, and the fake kernels that torch.compile, torch.export and
+``opcheck`` trace with. What each op does, in the order data flows: docs/design.md, "Data flow";
+their autograd: maskedbranch/_autograd.py.
 """
 from __future__ import annotations
 
@@ -245,16 +234,11 @@ def _data_dependent(count) -> bool:
 
 
 def _warn_routed_convolutions(x: Tensor, counts) -> None:
-    """Warn, while CPU inductor compiles with its layout optimization, that a convolution on these
-    rows will fail when the compiled step runs.
-
-    The optimization makes every convolution's weight (and usually input) channels_last; PyTorch's
-    fake convolution gives contiguous strides whenever a size has no example value (a
-    data-dependent row count), while the real CPU kernel gives channels_last: inductor then expects
-    the wrong strides and the step fails its own check ("expected size ..., stride ...", which
-    blames a custom op's fake kernel). A routed branch without a convolution is not affected,
-    hence a warning (once per process), not an error. Runs in the fake kernel only, at compile
-    time: the compiled step pays nothing."""
+    """Warn (once per process), while CPU inductor compiles with its layout optimization, that a
+    convolution on these rows (a data-dependent count) will fail inductor's stride check when the
+    compiled step runs (docs/design.md, "CPU inductor convolutions"). A warning, not an error: a
+    routed branch without a convolution is not affected. Runs in the fake kernel only: the
+    compiled step pays nothing."""
     if x.dim() not in (4, 5) or x.device.type != "cpu" or not any(_data_dependent(c) for c in counts):
         return
     if not _compat.inductor_layout_optimization():

@@ -1,13 +1,7 @@
-"""The one routing path that every module shares (MaskedBranch, masked_branch, ResidualDropPath,
-drop_add_residual and the integrations):
-
-    gate -> plan -> gather each branch's rows -> run the live branches -> combine -> tie the
-    parameters of the branches that did not run
-
-:func:`route` computes ``out[b] = base[b] + scale * sum_i g[b, i] * branch_i(x[b], ...)`` with
-each branch fed only its rows. Argument checks name the argument and leave the caller's module
-untouched; see docs/design.md for the semantics.
-"""
+"""The one routing path that every routing module and integration shares (docs/design.md, "Data
+flow"): :func:`route`, the compiled whole-batch choice :func:`choose`, the compiled drop path
+:func:`drop_rows`, and :func:`tie_unrun` for what did not run. Argument checks name the argument
+and leave the caller's module untouched."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -34,8 +28,8 @@ def _rows_of(t: Tensor, plan: _ops.Plan) -> List[Tensor]:
 
 
 def _tied(table: Branches, live_mask: int, zeros: Optional[bool]) -> Tuple[Tensor, ...]:
-    """The tensors a call ties into its output (``zeros``: the tying's ``call_ties``): the dead
-    branches' parameters that require grad."""
+    """The dead branches' parameters that require grad, which a call ties into its output; none
+    when ``zeros`` (the tying's ``call_ties``) is None."""
     if zeros is None or not torch.is_grad_enabled():
         return ()
     tied = table.tied(live_mask)
@@ -49,11 +43,10 @@ _PYTHON_REDUCER_TORCH = "2.13"  # tested on 2.13 and 2.14.1; on 2.6 the compiled
 
 
 def _aliases(table: Branches, x: Tensor, tying: Tying, where: str):
-    """Under DDP's Python reducer (``Tying.ALIASES``, maskedbranch/_decide.py) the branches run on
-    aliases of ``x`` and of every branch parameter, made by one node (``_autograd.Alias``): each
-    parameter's gradient then leaves the graph there, after the branches' backward, in the same
-    order on every rank (zeros for the branches that did not run). Returns (x for the branches,
-    {id(parameter): alias} or None, what the call's own tie gives: nothing once aliased)."""
+    """Under ``Tying.ALIASES`` (DDP's Python reducer; docs/design.md, "The Python-reducer alias
+    path"): x and every branch parameter aliased by one ``_autograd.Alias`` node. Returns (x for
+    the branches, {id(parameter): alias} or None, the call's own tie: None once aliased). Raises
+    for a function branch with parameters, and on torch < 2.13."""
     if tying is not Tying.ALIASES or not torch.is_grad_enabled():
         return x, None, tying.call_ties
     for i, (branch, params) in enumerate(zip(table.branches, table.params)):
@@ -105,15 +98,13 @@ def _common_dtype(ys: Sequence[Tensor], base: Optional[Tensor]) -> torch.dtype:
 
 
 class Call(NamedTuple):
-    """A routed call's settings beside its inputs. ``tying`` (the calling unit's,
-    maskedbranch/_unit.py) says whether the call ties the parameters of the branches that did
-    not run (``tying.call_ties``: None no, False with undefined gradients, True with zeros) or runs
-    them on aliases; ``base`` and ``scale`` as in :func:`route`; ``signatures``: the unit's
-    learned output signatures; ``where``: the name in messages; ``reducer``: the unit's reducer,
-    when a call must launch the reduction of a forward that its wrapper's hooks missed;
-    ``drawn``: the gate is a drop path's own draw (0 or -1 per row), valid by construction:
-    compiled, its padded plan is made from it directly, without the plan that checks a user's
-    gate (a plan op and its data-dependent sizes fewer per call: each costs compile time)."""
+    """A routed call's settings beside its inputs. ``tying``: the calling unit's (its
+    ``call_ties`` or ``ALIASES`` apply here); ``base`` and ``scale`` as in :func:`route`;
+    ``signatures``: the unit's learned output signatures; ``where``: the name in messages;
+    ``reducer``: the unit's, for a forward its wrapper's hooks missed (:func:`_fallback_hook`);
+    ``drawn``: the gate is a drop path's own draw (0 or -1 per row), valid by construction, so a
+    compiled call pads it without the plan that checks a user's gate (each plan op and
+    data-dependent size costs compile time)."""
 
     tying: Tying = Tying.SKIP
     base: Optional[Tensor] = None
@@ -129,18 +120,10 @@ _PLAIN_CALL = Call()
 
 def route(table: Branches, x: Tensor, gate: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None,
           call: Call = _PLAIN_CALL) -> Tuple[Tensor, Any]:
-    """``base + scale * sum_i g[:, i] * branch_i(x, ...)``, and which branches ran: a bit mask
-    (an int) in eager mode, a bool tensor ``[N]`` under torch.compile. In steps: plan the rows
-    of each branch; where the whole batch goes to one branch or to none, run that alone on x
-    itself; otherwise gather each branch's rows, run the branches that have rows, combine their
-    outputs (tying what did not run, :class:`Call`); then record what ran.
-
-    Under torch.compile (and torch.export) the gate is data: which branches run and on how many
-    rows are not known while the graph is made, so every branch runs on its rows (none
-    included), with no shortcut that depends on them; an int gate is the whole batch's branch
-    id, as a tensor. The dead branches' parameters are then in the graph already (zero
-    gradients from their one zero-weighted row, see :func:`_padded_plan`), and nothing needs
-    tying."""
+    """``base + scale * sum_i g[:, i] * branch_i(x, ...)`` with each branch fed only its rows, and
+    which branches ran: a bit mask (an int) in eager mode, a bool tensor ``[N]`` under
+    torch.compile. Compiled or exported, the gate is data: every branch runs on its rows, a
+    zero-weighted one where it has none (:func:`_padded_plan`), so nothing needs tying."""
     kwargs = kwargs or {}
     n = len(table.branches)
     kind, gate = normalize_gate(gate, x, n)
@@ -210,7 +193,7 @@ def _run_on_rows(table: Branches, x_in: Tensor, aliases, plan: _ops.Plan, args, 
     carried: Optional[list] = [] if compiling else None
     for i, c in enumerate(plan.counts):
         if not compiling and c == 0:
-            continue  # the branch never sees a row
+            continue
         a = tuple(v.parts[i] if isinstance(v, _Parts) else v for v in routed_args)
         kw = {k: v.parts[i] if isinstance(v, _Parts) else v for k, v in routed_kwargs.items()}
         live[i] = check_output(_run(table, i, aliases, xs[i], a, kw, carried), f"{where}[{i}]", c)
@@ -267,9 +250,9 @@ def choose(owner: Any, branches: Sequence[Any], x: Tensor, gate: Any, args: Tupl
            tying: Tying) -> Optional[Tuple[Tensor, Tensor]]:
     """A compiled whole-batch choice of ``owner``'s ``branches`` (MaskedBranch): (output, which
     branches ran as a bool tensor [N]), or None where the routed rows run instead (other gates,
-    extra arguments, DDP's Python reducer, torch.export, a form that does not apply). It needs
-    no branch table: building one reads every branch's parameters, which Dynamo traced at every
-    call (a third of a 6 x 4 conv supernet's traced instructions)."""
+    extra arguments, DDP's Python reducer, torch.export, a form that does not apply). It takes the
+    branches, not a branch table, whose construction Dynamo would trace (docs/design.md,
+    "Compiled whole-batch choices run one branch, stacked or through `torch.cond`")."""
     if args or kwargs or tying is Tying.ALIASES or _exporting() or not hasattr(torch.compiler, "is_exporting"):
         return None  # (torch 2.6 cannot tell an export from a compile: the routed rows, right in both)
     n = len(branches)
@@ -305,12 +288,8 @@ def _padded_plan(gate: Tensor, n: int, offsets: Optional[Tensor], weights: Optio
     """The plan of ``gate`` plus, for each branch that got no row, one entry of weight zero on
     row 0, and the weights that go with it; and which branches really ran (a bool tensor).
     ``offsets``: those of the gate's own plan, or None (a drawn gate: the rows are counted here).
-
-    Compiled code runs every branch, and a branch on zero rows fails in ways eager code never
-    meets: ``reshape(B, ..., -1)`` cannot infer a size from no elements (Swin's attention), and
-    some ops guard on the element count while the count is unknown (BatchNorm). With one row
-    each, the count is known to be at least 1. The extra row's output is weighted by zero (its
-    gradient too), so results are unchanged."""
+    Why no compiled branch may see zero rows: docs/design.md, "Compiled per-row routing is data,
+    and every branch sees a row"."""
     live = _as_mask(gate, n)
     dead = ~live.any(0) if offsets is None else offsets.diff() == 0
     first = torch.arange(live.shape[0], device=live.device) == 0
@@ -324,14 +303,11 @@ def _padded_plan(gate: Tensor, n: int, offsets: Optional[Tensor], weights: Optio
 
 def drop_rows(branch: Callable, module: Optional[Any], x: Tensor, keep: Tensor, scale: Any, args: Tuple[Any, ...],
               kwargs: Dict[str, Any], base: Optional[Tensor], where: str) -> Tuple[Tensor, Tensor]:
-    """A compiled drop path on its kept rows: what :func:`route` computes for one branch and the
-    draw ``keep`` (``[B]``, 1 where the row is kept, 0 where dropped), in the fewest traced steps
-    (each one costs compile time, per call): the plan of the kept rows, padded with row 0 when none
-    is (weight 0, as in :func:`_padded_plan`), the branch on them, and
-    ``base + scale * keep * y`` scattered back. ``module``: the module ``branch`` runs when it is
-    one (its buffers are carried, as in :func:`_run`; ``branch`` then has the residual's output
-    check), else None. Returns the output and whether the branch ran (a bool tensor ``[1]``).
-    Not for DDP's Python reducer (``Tying.ALIASES``), which takes :func:`route`."""
+    """A compiled per-row drop path: what :func:`route` computes for one branch and the draw
+    ``keep`` (``[B]``, 1 kept, 0 dropped), in the fewest traced steps (docs/design.md, "Data flow",
+    torch.compile). ``module``: the module ``branch`` runs, if any (its buffers are carried, as in
+    :func:`_run`; ``branch`` then has the residual's output check). Returns the output and whether
+    the branch ran (a bool tensor ``[1]``). Not for ``Tying.ALIASES``, which takes :func:`route`."""
     batch = x.shape[0]
     live = keep != 0
     ran = live.any()
@@ -426,16 +402,13 @@ def _no_branch(table, x, gate, args, kwargs, tying: Tying, base, signatures, whe
 
 
 def tie_unrun(out: Tensor, tying: Tying, params: Sequence[Tensor] = (), inputs: Sequence[Any] = ()) -> Tensor:
-    """``out`` with what a skipped computation would have used tied in, as ``tying`` says (every
-    routing module and integration ties what did not run through here):
+    """``out`` with what a skipped computation would have used tied in, as ``tying`` says:
 
-    * ``params``, the parameters of what did not run, by the call's own tie
-      (``tying.call_ties``: not at all under ``SKIP`` and the ``AT_WRAPPER`` tyings);
+    * ``params``, the parameters of what did not run, by the call's own tie (``tying.call_ties``);
     * ``inputs``, the tensors it would have read (x, a gate's weights, an encoder's output),
-      whenever ``tying`` ties at all, so that whatever produced them (a router) is reached on
-      every rank: with no gradient, as in the if/else code, unless zeros are asked for, and
-      zeros (exact: ``out`` does not depend on them) while compiled autograd traces, which
-      cannot add an undefined gradient to a tensor's other ones."""
+      whenever ``tying`` ties at all (``tying.ties_inputs``): with no gradient unless zeros are
+      asked for, and zeros (exact: ``out`` does not depend on them) while compiled autograd
+      traces, which cannot add an undefined gradient to a tensor's other ones."""
     if not torch.is_grad_enabled() or not tying.ties_inputs:
         return out
     zeros = tying.call_ties

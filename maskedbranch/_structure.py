@@ -1,12 +1,8 @@
-"""What a routing module knows about its branches (their parameters, the parameters to tie for
-each set of live branches), computed once and checked cheaply on use.
-
-Walking ``parameters()`` of every branch on every call costs more than a small branch's forward,
-so these facts are cached per module, and each cache checks its own validity: the branch list
-itself on every call (a few identity comparisons), and, before tying, where each tied parameter
-and each module above it is registered (:class:`Sites`), so that a parameter or submodule
-replaced by ``setattr``, ``load_state_dict(assign=True)`` or ``torch.func.functional_call`` is
-seen. Nothing here is process-wide: no registration hook, no global version.
+"""A routing module's branch table (:class:`Branches`) and its checks (:class:`Sites`), the branch
+list whose changes drop it (:class:`RoutingModuleList`), and the collectives policy
+(:func:`check_skippable`): docs/design.md, "Caches dropped by their own module's changes" and "One
+collectives policy". The table exists because walking every branch's ``parameters()`` on every
+call costs more than a small branch's forward.
 """
 from __future__ import annotations
 
@@ -174,10 +170,9 @@ def is_named(modules: Any) -> bool:
 
 class RoutingModuleList(CacheOwner, nn.ModuleList):
     """An ``nn.ModuleList`` of routed modules (MaskedBranch's branches, a LayerDrop owner's
-    layers). A slice is a plain ``nn.ModuleList`` of the modules, as ``nn.ModuleList`` gives it
-    (not a second routing list, which an empty slice could not even construct). Any change of
-    the list (``append``, ``insert``, item assignment, ``del``) drops the caches, as ``_apply`` and
-    ``load_state_dict`` do.
+    layers) whose changes (``append``, ``insert``, item assignment, ``del``) drop the caches. A
+    slice is a plain ``nn.ModuleList``, as ``nn.ModuleList`` gives it (an empty routing list could
+    not be constructed).
 
     Built from an ``nn.ModuleDict`` (or a mapping of names to modules), it keeps the names as
     its children's names, so that the ``state_dict`` keys stay the dict's (``experts.expert_0.*``):
@@ -291,9 +286,7 @@ def _indent(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Collectives. A branch that runs on one rank and is skipped on another must not communicate:
-# its collective would never be matched and the job would hang. One policy for every routing
-# module: such branches are refused whenever a branch may be skipped.
+# Collectives (docs/design.md, "One collectives policy").
 
 
 def _collective_types() -> Tuple[type, ...]:
@@ -308,12 +301,10 @@ def _collective_types() -> Tuple[type, ...]:
 
 
 def check_skippable(branches: Sequence, where: str) -> None:
-    """Refuse branches that run collectives: SyncBatchNorm, DDP- or FSDP-wrapped modules (an FSDP2
-    unit inside a branch gathers its parameters in its own forward), and DTensor parameters
-    (tensor parallelism communicates in the forward). An FSDP2 unit *around* the routing module
-    is fine: it gathers the parameters of all branches before the routing module runs.
-
-    ``where`` names the branches in the message ("branches" or "branch")."""
+    """Raise ValueError for a branch that runs collectives: SyncBatchNorm, a DDP- or FSDP-wrapped
+    module (an FSDP2 unit inside a branch gathers its parameters in its own forward), or DTensor
+    parameters (tensor parallelism communicates in the forward). ``where`` names the branches in
+    the message ("branches" or "branch")."""
     types = _collective_types()
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     for i, branch in enumerate(branches):

@@ -1,9 +1,7 @@
-"""Symbolic tracing (torch.fx): x or the gate is a Proxy, so which rows reach which branch is not
-known while the graph is built. The graph gets the dense formula instead,
-``sum_i g[:, i] * branch_i(x, ...)`` with every branch run on every row: the routed result for
-branches that treat rows independently (the gradient of a zero gate weight differs, as in
-docs/design.md), at the cost of running every branch. The two helpers are wrapped, so each is
-one graph node and reads the gate when the graph runs."""
+"""Symbolic tracing (torch.fx): the dense formula ``sum_i g[:, i] * branch_i(x, ...)``, every branch
+on every row, since which rows reach which branch is data the trace cannot see (docs/design.md,
+"Data flow" and "Semantics"). The two helpers are wrapped, so each is one graph node and reads the
+gate when the graph runs."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Sequence, Tuple
