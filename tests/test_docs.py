@@ -232,3 +232,46 @@ def test_moe_router_example_equals_the_dense_mixture():
         example["main"]()
     losses = [float(line.split("loss ")[1].split(",")[0]) for line in printed.getvalue().splitlines()]
     assert len(losses) == 5 and losses[-1] < losses[0]
+
+
+# A docstring or comment that points to docs/design.md names its section: 'docs/design.md, "Words"',
+# possibly followed by a parenthesis and 'and "Another section"'.
+_POINTER = re.compile(r'docs/design\.md, "([^"]+)"(?:\s*\([^)]*\))?(?:\s+and\s+"([^"]+)")?')
+
+
+def _normalized(title):
+    return " ".join(title.replace("`", "").split()).rstrip(".:")
+
+
+def design_titles(text):
+    """The titles a pointer may name: the headings (without their numbers) and the bold run-in
+    titles of docs/design.md."""
+    headings = re.findall(r"^#+\s+(?:\d+\.\s+)?(.+)$", text, flags=re.M)
+    return [_normalized(t) for t in headings + re.findall(r"\*\*(.+?)\*\*", text)]
+
+
+def design_pointers(source):
+    """The section names that ``source``'s pointers to docs/design.md give, with docstring and
+    comment lines joined as they read."""
+    text = " ".join(re.sub(r"^\s*(#\s?)?", "", line) for line in source.splitlines())
+    return [_normalized(t) for m in _POINTER.finditer(text) for t in m.groups() if t]
+
+
+def test_design_pointers_name_existing_sections():
+    """The package's docstrings point to docs/design.md for the reasons behind the code instead of
+    restating them; every section they name is one of its headings or bold run-in titles (a
+    pointer may give the beginning of a long title)."""
+    titles = design_titles((ROOT / "docs" / "design.md").read_text())
+    sources = sorted((ROOT / "maskedbranch").rglob("*.py"))
+    named = {(str(p.relative_to(ROOT)), t) for p in sources for t in design_pointers(p.read_text())}
+    assert len(named) >= 20  # the pointers are found at all
+    missing = sorted((where, t) for where, t in named if not any(title.startswith(t) for title in titles))
+    assert not missing, f"pointers to sections docs/design.md does not have: {missing}"
+
+
+def test_design_pointer_check_sees_a_wrong_title():
+    titles = design_titles("## 3. Data flow\n\n- **The compiled draw is an op.** Under ...\n")
+    assert design_pointers('"""See docs/design.md, "Data flow" (compile) and\n    "The compiled draw"."""') == [
+        "Data flow", "The compiled draw"]
+    assert all(any(title.startswith(t) for title in titles) for t in ["Data flow", "The compiled draw"])
+    assert not any(title.startswith("Data flows") for title in titles)
