@@ -264,9 +264,10 @@ class Reducer:
     # -- forward end -----------------------------------------------------------------------------
 
     def after_forward(self, output: Any = None) -> Any:
-        # A forward that made this reducer may still be pending (torch < 2.7 compiles the hook
-        # that would have made it earlier): one launch covers both, since a second would let its
-        # backward, finding gradients None, discard the first's usage.
+        # The forward that made this reducer ran this hook after all (torch < 2.7 compiles the
+        # registration that would have made it earlier), or a later forward came before any
+        # backward: usage accumulates until taken, so one launch covers both. Two would let the
+        # second's backward, finding gradients None, discard the first's usage.
         self.needs_first = False
         layout = self._layout()
         if layout is None or not layout.units:

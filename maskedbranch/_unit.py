@@ -170,9 +170,9 @@ class RoutingUnit:
     # -- the decision ----------------------------------------------------------------------------
 
     def tying_here(self) -> Tying:
-        """The tying of this call: the decided one under the wrapper decided for, or under none
-        (a checkpoint's recomputation keeps a live wrapper's decision) unless the owner's first
-        parameter was replaced (``fully_shard``); else decided now."""
+        """The tying of this call: the decided one under the wrapper decided for; under no wrapper,
+        the decided one too (a checkpoint's recomputation keeps a live wrapper's decision) unless
+        the owner's first parameter was replaced since (``fully_shard``); else decided now."""
         w = current_wrapper()
         tying = self.tying
         if w is None:
